@@ -1,0 +1,3 @@
+from ikcode.cli import main
+
+main()

@@ -1,0 +1,57 @@
+"""The bearer token shared by the launcher and the server.
+
+Generated once, stored in the state dir with mode 0600, never printed in logs. A team server can
+hold several named tokens (one per user, revocable) in `tokens.toml` beside it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from ikcode import paths
+
+TOKEN_PREFIX = "ik-"
+
+
+def token_path() -> Path:
+    return paths.state_dir() / "token"
+
+
+def _write_private(path: Path, text: str) -> None:
+    paths.ensure(path.parent)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(path, 0o600)  # in case the file existed with wider permissions
+
+
+def load_or_create_token(path: Path | None = None) -> str:
+    path = path or token_path()
+    if path.is_file():
+        token = path.read_text(encoding="utf-8").strip()
+        if token:
+            if path.stat().st_mode & 0o077:
+                os.chmod(path, 0o600)
+            return token
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    _write_private(path, token + "\n")
+    return token
+
+
+def rotate_token(path: Path | None = None) -> str:
+    path = path or token_path()
+    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    _write_private(path, token + "\n")
+    return token
+
+
+def tokens_equal(given: str, expected: str) -> bool:
+    """Constant-time comparison, so response timing does not reveal a token's prefix."""
+    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+
+
+def redact(token: str) -> str:
+    return token[:5] + "…" if len(token) > 8 else "…"

@@ -1,0 +1,135 @@
+"""Launcher commands: env, settings, claude, profiles, token."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from ikcode import auth
+from ikcode.cli.common import profile_option, resolve_profile
+from ikcode.launcher import settings as claude_settings
+from ikcode.launcher.claude import LauncherError, exec_claude, mapping_for, plan_launch
+from ikcode.launcher.shells import SHELLS, render
+from ikcode.profiles import list_profiles
+
+base_url_option = click.option(
+    "--base-url", default=None, metavar="URL", help="Use this endpoint instead of the profile's."
+)
+
+
+def _guess_shell() -> str:
+    name = Path(os.environ.get("SHELL", "bash")).name
+    return name if name in ("bash", "zsh", "fish") else "bash"
+
+
+@click.command("env")
+@profile_option
+@base_url_option
+@click.option("--shell", type=click.Choice(SHELLS), default=None, help="Output syntax (default: $SHELL).")
+def env_command(profile_ref: str | None, base_url: str | None, shell: str | None) -> None:
+    """Print the environment that maps every Claude Code role to the served model.
+
+    Use it as: eval "$(ikcode env)"
+    """
+    profile = resolve_profile(profile_ref)
+    click.echo(render(mapping_for(profile, base_url), shell or _guess_shell()), nl=False)
+
+
+@click.command("settings")
+@profile_option
+@base_url_option
+@click.option("--write", "action", flag_value="write", help="Merge the env block into a settings file.")
+@click.option("--remove", "action", flag_value="remove", help="Take the env block out again.")
+@click.option("--show", "action", flag_value="show", default=True, help="Show which source wins (default).")
+@click.option("--scope", type=click.Choice(["project", "user"]), default="project", show_default=True)
+def settings_command(profile_ref: str | None, base_url: str | None, action: str, scope: str) -> None:
+    """Write, remove or inspect the mapping in Claude Code's settings files."""
+    profile = resolve_profile(profile_ref)
+    mapping = mapping_for(profile, base_url)
+    project = Path.cwd()
+    try:
+        if action == "write":
+            path = claude_settings.scope_path(scope, project)
+            backup, removed = claude_settings.write_env_block(path, mapping)
+            click.echo(f"wrote {len(mapping.set)} variables to {path}")
+            if removed:
+                click.echo(f"removed conflicting {', '.join(removed)}")
+            if backup:
+                click.echo(f"backup: {backup}")
+            return
+        if action == "remove":
+            path = claude_settings.scope_path(scope, project)
+            backup, removed = claude_settings.remove_env_block(path, mapping.names)
+            click.echo(
+                f"removed {len(removed)} variables from {path}" if removed else f"nothing to remove in {path}"
+            )
+            if backup:
+                click.echo(f"backup: {backup}")
+            return
+    except claude_settings.SettingsError as err:
+        raise click.ClickException(str(err)) from None
+    reports = claude_settings.resolve(mapping, project, dict(os.environ))
+    table = Table(title="What Claude Code will see (settings files beat the shell)")
+    for column in ("variable", "wanted", "wins", "value there", "status"):
+        table.add_column(column)
+    for rep in reports:
+        wanted = claude_settings.redact_value(rep.name, rep.expected) or "(unset)"
+        value = claude_settings.redact_value(rep.name, rep.effective) or "-"
+        style = {"ok": "green", "conflict": "red", "missing": "yellow"}[rep.status]
+        table.add_row(rep.name, wanted, rep.winner or "-", value, f"[{style}]{rep.status}[/{style}]")
+    Console().print(table)
+    conflicts = [r for r in reports if r.status == "conflict"]
+    if conflicts:
+        for rep in conflicts:
+            click.echo(
+                f"conflict: {rep.name} comes from {rep.winner}; `ikcode claude` overrides it with "
+                "--settings, a plain `claude` will not",
+                err=True,
+            )
+        raise SystemExit(1)
+
+
+@click.command(
+    "claude",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@profile_option
+@base_url_option
+@click.option("--no-default-args", is_flag=True, help="Do not add the profile's default claude arguments.")
+@click.argument("claude_args", nargs=-1, type=click.UNPROCESSED)
+def claude_command(
+    profile_ref: str | None, base_url: str | None, no_default_args: bool, claude_args: tuple[str, ...]
+) -> None:
+    """Run Claude Code against the served model: ikcode claude [OPTIONS] -- [CLAUDE ARGS]"""
+    profile = resolve_profile(profile_ref)
+    try:
+        plan = plan_launch(profile, list(claude_args), base_url, use_default_args=not no_default_args)
+    except LauncherError as err:
+        raise click.ClickException(str(err)) from None
+    for notice in plan.notices:
+        click.echo(f"ikcode: {notice}", err=True)
+    exec_claude(plan)
+
+
+@click.command("profiles")
+def profiles_command() -> None:
+    """List known profiles and the file each comes from."""
+    table = Table()
+    for column in ("name", "origin", "file"):
+        table.add_column(column)
+    for entry in list_profiles().values():
+        table.add_row(entry.name, entry.origin, str(entry.path))
+    Console().print(table)
+
+
+@click.command("token")
+@click.option("--show", is_flag=True, help="Print the token itself (careful: it is a secret).")
+@click.option("--rotate", is_flag=True, help="Replace the token with a new one.")
+def token_command(show: bool, rotate: bool) -> None:
+    """Where the launcher's bearer token lives (created on first use, mode 0600)."""
+    token = auth.rotate_token() if rotate else auth.load_or_create_token()
+    click.echo(token if show else f"{auth.token_path()} ({auth.redact(token)})")

@@ -1,0 +1,84 @@
+"""The role mapper: from a served model, the environment Claude Code needs.
+
+Pure functions. Claude Code asks for a different model name per role (main loop, opus/sonnet/
+haiku aliases, subagents, small/fast calls); an unmapped role silently sends `claude-*` names to the
+endpoint. Every role is mapped to the one served model here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Every variable through which Claude Code picks a model name for some role.
+MODEL_ROLE_VARS: tuple[str, ...] = (
+    "ANTHROPIC_MODEL",
+    "ANTHROPIC_DEFAULT_OPUS_MODEL",
+    "ANTHROPIC_DEFAULT_SONNET_MODEL",
+    "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+    "ANTHROPIC_DEFAULT_FABLE_MODEL",
+    "CLAUDE_CODE_SUBAGENT_MODEL",
+    "ANTHROPIC_SMALL_FAST_MODEL",  # deprecated, but still wins for small/fast calls
+)
+
+ENDPOINT_VARS: tuple[str, ...] = ("ANTHROPIC_BASE_URL", "ANTHROPIC_AUTH_TOKEN")
+
+# Variables that would fight the mapping in the child process.
+CONFLICTING_VARS: tuple[str, ...] = (
+    "ANTHROPIC_API_KEY",  # sent as x-api-key beside our bearer token
+    "CLAUDE_CODE_USE_BEDROCK",
+    "CLAUDE_CODE_USE_VERTEX",
+    "CLAUDE_CODE_USE_FOUNDRY",
+)
+
+FIXED_VARS: dict[str, str] = {
+    # The attribution line in system[0] differs per conversation and defeats prefix caching.
+    "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
+    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+    "DISABLE_TELEMETRY": "1",
+}
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """What to set and what to remove in Claude Code's environment."""
+
+    set: dict[str, str] = field(default_factory=dict)
+    unset: tuple[str, ...] = ()
+
+    def apply(self, environ: dict[str, str]) -> dict[str, str]:
+        """A copy of environ with the mapping applied (for launching the child)."""
+        child = {k: v for k, v in environ.items() if k not in self.unset}
+        child.update(self.set)
+        return child
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.set) + self.unset
+
+
+def claude_env(
+    *,
+    served_model: str,
+    base_url: str,
+    token: str | None,
+    context_window: int,
+    max_output_tokens: int,
+    api_timeout_ms: int = 600_000,
+) -> Mapping:
+    """The environment that maps every Claude Code role to `served_model` at `base_url`."""
+    if not served_model:
+        raise ValueError("served model name is empty")
+    values: dict[str, str] = {"ANTHROPIC_BASE_URL": base_url.rstrip("/")}
+    if token:
+        values["ANTHROPIC_AUTH_TOKEN"] = token
+    for name in MODEL_ROLE_VARS:
+        values[name] = served_model
+    values.update(FIXED_VARS)
+    values["API_TIMEOUT_MS"] = str(api_timeout_ms)
+    values["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
+    # The client assumes 200K for unknown models; tell it the real window (it clamps the
+    # auto-compact window to >= 100K; below that the server's "prompt is too long" drives compaction).
+    values["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(context_window)
+    values["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(context_window)
+    unset = CONFLICTING_VARS if token else tuple(v for v in CONFLICTING_VARS if v != "ANTHROPIC_API_KEY")
+    return Mapping(set=values, unset=unset)

@@ -1,0 +1,151 @@
+"""Claude Code's settings files, their `env` blocks, and which source wins for each variable.
+
+A settings file's `env` block beats the shell, and the files layer as: managed policy >
+`--settings` on the command line > project local > project shared > user. A stale
+`ANTHROPIC_MODEL` in any of them silently overrides what a user exported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ikcode.launcher.rolemap import Mapping
+
+SECRET_VARS = ("ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY")
+
+
+class SettingsError(Exception):
+    pass
+
+
+def claude_config_dir() -> Path:
+    return Path(os.environ.get("CLAUDE_CONFIG_DIR") or Path.home() / ".claude")
+
+
+def settings_files(project_dir: Path) -> dict[str, Path]:
+    """Every settings file Claude Code reads, highest precedence first."""
+    return {
+        "managed": Path("/etc/claude-code/managed-settings.json"),
+        "local": project_dir / ".claude" / "settings.local.json",
+        "project": project_dir / ".claude" / "settings.json",
+        "user": claude_config_dir() / "settings.json",
+    }
+
+
+def scope_path(scope: str, project_dir: Path) -> Path:
+    if scope == "project":
+        return settings_files(project_dir)["local"]
+    if scope == "user":
+        return settings_files(project_dir)["user"]
+    raise SettingsError(f"unknown scope {scope!r}; choose project or user")
+
+
+def read_settings(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except json.JSONDecodeError as err:
+        raise SettingsError(f"{path} is not valid JSON ({err}); fix or move it first") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path} must hold a JSON object")
+    env = data.get("env", {})
+    if not isinstance(env, dict):
+        raise SettingsError(f"{path}: 'env' must be an object, got {type(env).__name__}")
+    return data
+
+
+def _write(path: Path, data: dict) -> Path | None:
+    """Write atomically with mode 0600 (the env block carries a token); return the backup path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    backup = None
+    if path.exists():
+        backup = path.with_name(f"{path.name}.bak-{time.strftime('%Y%m%d-%H%M%S')}")
+        shutil.copy2(path, backup)
+        os.chmod(backup, 0o600)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        json.dump(data, handle, indent=2)
+        handle.write("\n")
+    os.replace(tmp, path)
+    return backup
+
+
+def write_env_block(path: Path, mapping: Mapping) -> tuple[Path | None, list[str]]:
+    """Merge the mapping into path's env block, keeping every other key. Returns (backup, removed)."""
+    data = read_settings(path)
+    env = dict(data.get("env", {}))
+    removed = [name for name in mapping.unset if name in env]
+    for name in removed:
+        del env[name]
+    env.update(mapping.set)
+    data["env"] = env
+    return _write(path, data), removed
+
+
+def remove_env_block(path: Path, names: tuple[str, ...]) -> tuple[Path | None, list[str]]:
+    """Take the mapping's variables out of path's env block again."""
+    data = read_settings(path)
+    env = dict(data.get("env", {}))
+    removed = [name for name in names if name in env]
+    if not removed:
+        return None, []
+    for name in removed:
+        del env[name]
+    if env:
+        data["env"] = env
+    else:
+        data.pop("env", None)
+    return _write(path, data), removed
+
+
+@dataclass(frozen=True)
+class VariableReport:
+    name: str
+    expected: str | None  # None = should be absent
+    values: dict[str, str | None]  # source -> value ("shell", "user", "project", "local", "managed")
+    winner: str | None  # the source whose value the client will use
+    status: str  # "ok", "conflict", "missing"
+
+    @property
+    def effective(self) -> str | None:
+        return self.values.get(self.winner) if self.winner else None
+
+
+def resolve(mapping: Mapping, project_dir: Path, environ: dict[str, str]) -> list[VariableReport]:
+    """For each variable of the mapping: every source's value, the winner, and whether it fights."""
+    files = settings_files(project_dir)
+    envs: dict[str, dict] = {}
+    for source, path in files.items():
+        try:
+            envs[source] = read_settings(path).get("env", {})
+        except SettingsError:
+            envs[source] = {}
+    order = ["managed", "local", "project", "user", "shell"]
+    reports = []
+    for name in mapping.names:
+        expected = mapping.set.get(name)
+        values: dict[str, str | None] = {s: (envs[s].get(name) if s in envs else None) for s in order[:-1]}
+        values["shell"] = environ.get(name)
+        winner = next((s for s in order if values.get(s) is not None), None)
+        effective = values.get(winner) if winner else None
+        if expected is None:
+            status = "ok" if effective is None else "conflict"
+        elif effective is None:
+            status = "missing"
+        else:
+            status = "ok" if str(effective) == expected else "conflict"
+        reports.append(VariableReport(name, expected, values, winner, status))
+    return reports
+
+
+def redact_value(name: str, value: str | None) -> str | None:
+    if value is None or name not in SECRET_VARS:
+        return value
+    return value[:5] + "…" if len(value) > 8 else "…"

@@ -1,0 +1,74 @@
+"""Shared test setup: every test gets its own ikcode home (config, state, cache dirs)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_ikcode_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
+    home = tmp_path_factory.mktemp("ikcode-home")
+    monkeypatch.setenv("IKCODE_HOME", str(home))
+    # Dequantized weights are expensive to rebuild: share one cache dir across the session.
+    shared_cache = os.environ.get("IKCODE_TEST_CACHE_DIR")
+    if shared_cache:
+        monkeypatch.setenv("IKCODE_CACHE_DIR", shared_cache)
+    yield home
+
+
+CLAUDE_VERSION = os.environ.get("IKCODE_CLAUDE_VERSION", "2.1.197")
+
+
+@pytest.fixture(scope="session")
+def claude_bin() -> str:
+    """The real Claude Code client from npm (installed into .tools/ if needed)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    explicit = os.environ.get("IKCODE_TEST_CLAUDE_BIN")
+    if explicit and os.access(explicit, os.X_OK):
+        return explicit
+    root = Path(__file__).resolve().parent.parent
+    local = root / ".tools" / "claude-code" / "node_modules" / ".bin" / "claude"
+    if local.exists():
+        return str(local)
+    if shutil.which("npm") is None:
+        pytest.skip("npm is not installed: cannot get the real Claude Code client")
+    subprocess.run(
+        [
+            "npm",
+            "install",
+            "--no-audit",
+            "--no-fund",
+            "--silent",
+            "--prefix",
+            str(local.parents[2]),
+            f"@anthropic-ai/claude-code@{CLAUDE_VERSION}",
+        ],
+        check=True,
+        timeout=600,
+    )
+    return str(local)
+
+
+@pytest.fixture
+def claude_home(tmp_path):
+    """A HOME for the real client: onboarding done, the project trusted, nothing of the user's."""
+    import json
+
+    home = tmp_path / "home"
+    project = tmp_path / "project"
+    home.mkdir()
+    project.mkdir()
+    (home / ".claude.json").write_text(
+        json.dumps(
+            {
+                "hasCompletedOnboarding": True,
+                "projects": {str(project): {"hasTrustDialogAccepted": True}},
+            }
+        )
+    )
+    return home, project

@@ -1,0 +1,102 @@
+"""`ikcode claude` with a stand-in `claude` executable that records what it was given."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+from ikcode import auth
+from ikcode.launcher.rolemap import CONFLICTING_VARS, MODEL_ROLE_VARS
+
+STAND_IN = textwrap.dedent(
+    """\
+    #!{python}
+    import json, os, sys
+    args = sys.argv[1:]
+    settings = json.load(open(args[args.index("--settings") + 1]))
+    record = {{"argv": args, "env": dict(os.environ), "settings": settings}}
+    json.dump(record, open(os.environ["RECORD_TO"], "w"))
+    sys.exit(7)
+    """
+)
+
+
+def run_ikcode_claude(tmp_path, *args, extra_env=None):
+    bindir = tmp_path / "bin"
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "claude"
+    fake.write_text(STAND_IN.format(python=sys.executable))
+    fake.chmod(0o755)
+    record = tmp_path / "record.json"
+    env = dict(os.environ)
+    env.pop("IKCODE_CLAUDE_BIN", None)
+    env.update(
+        {
+            "PATH": f"{bindir}{os.pathsep}{env['PATH']}",
+            "RECORD_TO": str(record),
+            "ANTHROPIC_API_KEY": "sk-ant-must-not-leak",
+            "CLAUDE_CODE_USE_BEDROCK": "1",
+            "ANTHROPIC_MODEL": "claude-opus-4-8",
+        }
+    )
+    env.update(extra_env or {})
+    proc = subprocess.run(
+        [sys.executable, "-m", "ikcode", "claude", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    return proc, (json.loads(record.read_text()) if record.exists() else None)
+
+
+def test_claude_gets_full_mapping_in_env_and_settings_file(tmp_path):
+    proc, rec = run_ikcode_claude(
+        tmp_path, "--base-url", "http://127.0.0.1:9/prefix", "--", "-p", "say hi", "--output-format", "json"
+    )
+    assert proc.returncode == 7, proc.stderr  # claude's own exit code
+    token = auth.load_or_create_token()
+    for source in (rec["env"], rec["settings"]["env"]):
+        for name in MODEL_ROLE_VARS:
+            assert source[name] == "smollm2-135m-instruct", name
+        assert source["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/prefix"
+        assert source["ANTHROPIC_AUTH_TOKEN"] == token
+        assert source["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
+    for name in CONFLICTING_VARS:
+        assert name not in rec["env"], name
+    argv = rec["argv"]
+    assert argv[0] == "--settings"
+    assert argv[-4:] == ["-p", "say hi", "--output-format", "json"]
+    # The local profile's small-window defaults are added and announced.
+    assert "--tools" in argv and "--system-prompt" in argv
+    assert "adds claude arguments" in proc.stderr
+    assert token not in proc.stderr and token not in proc.stdout
+
+
+def test_user_flags_override_profile_defaults(tmp_path):
+    proc, rec = run_ikcode_claude(
+        tmp_path, "--base-url", "http://127.0.0.1:9", "--", "--tools", "Bash", "-p", "x"
+    )
+    assert proc.returncode == 7
+    argv = rec["argv"]
+    assert argv.count("--tools") == 1 and argv[argv.index("--tools") + 1] == "Bash"
+    assert "--system-prompt" in argv  # the other default still applies
+    proc, rec = run_ikcode_claude(
+        tmp_path, "--no-default-args", "--base-url", "http://127.0.0.1:9", "--", "-p", "x"
+    )
+    assert "--tools" not in rec["argv"] and "--system-prompt" not in rec["argv"]
+
+
+def test_missing_claude_says_how_to_install(tmp_path):
+    env = {"PATH": "/nonexistent", "IKCODE_HOME": os.environ["IKCODE_HOME"]}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ikcode", "claude", "--base-url", "http://127.0.0.1:9", "--", "-p", "x"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "npm install -g @anthropic-ai/claude-code" in proc.stderr

@@ -32,6 +32,10 @@ def state_dir() -> Path:
 
 
 def cache_dir() -> Path:
+    """Derived data that is expensive to rebuild (dequantized weights); IKCODE_CACHE_DIR wins."""
+    explicit = os.environ.get("IKCODE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
     home = _home()
     path = home / "cache" if home else Path(platformdirs.user_cache_dir(APP))
     return path

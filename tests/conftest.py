@@ -11,11 +11,20 @@ import pytest
 def _isolated_ikcode_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):
     home = tmp_path_factory.mktemp("ikcode-home")
     monkeypatch.setenv("IKCODE_HOME", str(home))
-    # Dequantized weights are expensive to rebuild: share one cache dir across the session.
-    shared_cache = os.environ.get("IKCODE_TEST_CACHE_DIR")
-    if shared_cache:
-        monkeypatch.setenv("IKCODE_CACHE_DIR", shared_cache)
+    # Dequantized weights are expensive to rebuild: one cache dir for the whole session.
+    monkeypatch.setenv("IKCODE_CACHE_DIR", str(_session_cache_dir(tmp_path_factory)))
     yield home
+
+
+_CACHE_DIR = None
+
+
+def _session_cache_dir(factory: pytest.TempPathFactory):
+    global _CACHE_DIR
+    if _CACHE_DIR is None:
+        explicit = os.environ.get("IKCODE_TEST_CACHE_DIR")
+        _CACHE_DIR = explicit or str(factory.mktemp("ikcode-cache"))
+    return _CACHE_DIR
 
 
 CLAUDE_VERSION = os.environ.get("IKCODE_CLAUDE_VERSION", "2.1.197")

@@ -22,7 +22,7 @@ op = st.one_of(
     ops=st.lists(op, max_size=40),
     num_device=st.integers(1, 12),
     num_host=st.integers(0, 10),
-    policy=st.sampled_from(["lru"]),
+    policy=st.sampled_from(["lru", "ikcode"]),
     write_through=st.booleans(),
     hold=st.sampled_from([None, 0.5, 100.0]),
 )

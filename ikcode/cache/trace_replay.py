@@ -95,10 +95,10 @@ def replay_requests(
             dev_hits.append(0)
             host_hits.append(0)
             continue
-        alloc = cache.allocate(str(i), req.keys, n, session_id=req.session, num_tokens=req.tokens)
+        alloc = cache.allocate(str(i), req.keys, n, num_tokens=req.tokens)
         dev_hits.append(alloc.cached_blocks_device)
         host_hits.append(alloc.cached_blocks_host)
-        cache.release(str(i), req.keys, session_id=req.session)
+        cache.release(str(i), req.keys)
     return cache, dev_hits, host_hits, skipped
 
 

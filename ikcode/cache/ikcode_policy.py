@@ -1,0 +1,110 @@
+"""The ikcode eviction policy: LRU, tail-first, with shared roots protected and sessions held.
+
+Three segments of evictable blocks, each in LRU order (tail of a sequence first):
+  probation  blocks reused by at most one sequence so far: the first to go. Most of a brand-new
+             conversation's blocks are never asked for again; they should not push out the
+             blocks that have already proven shared.
+  protected  blocks hit by >= protect_after distinct sharers (sessions, else sequences): the
+             system prompt and tool definitions every session shares, and conversation
+             prefixes that keep coming back. Capped at protected_fraction of the device; past
+             the cap its LRU blocks fall back to probation (a segmented LRU).
+  held       blocks of a session whose last step ended in a tool call, released with hold_s:
+             kept until their deadline (the next step usually comes within seconds), capped at
+             held_fraction of the device. Expired holds go to the front of probation.
+Victims: probation first, then protected, then held (earliest deadline first).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterator
+
+
+class IkcodePolicy:
+    name = "ikcode"
+
+    def __init__(self, protect_after: int = 2, protected_fraction: float = 0.4, held_fraction: float = 0.5):
+        self.protect_after = protect_after
+        self.protected_fraction = protected_fraction
+        self.held_fraction = held_fraction
+        self._probation: OrderedDict[int, None] = OrderedDict()
+        self._protected: OrderedDict[int, None] = OrderedDict()
+        self._held: dict[int, float] = {}  # block -> deadline
+        self._deadlines: list[tuple[float, int]] = []  # heap; entries may be stale
+        self._sharers: dict[int, int] = {}  # block -> distinct sharers seen (consecutive-distinct)
+        self._last_sharer: dict[int, str] = {}
+        self._protected_cap = 0
+        self._held_cap = 0
+
+    def bind(self, num_device_blocks: int) -> None:
+        self._protected_cap = int(num_device_blocks * self.protected_fraction)
+        self._held_cap = int(num_device_blocks * self.held_fraction)
+
+    def on_commit(self, block: int, sharer: str) -> None:
+        self._sharers[block] = 1
+        self._last_sharer[block] = sharer
+
+    def on_hit(self, block: int, sharer: str) -> None:
+        if self._last_sharer.get(block) != sharer:
+            self._sharers[block] = self._sharers.get(block, 0) + 1
+            self._last_sharer[block] = sharer
+
+    def push(self, blocks: list[int], now: float, hold_until: float | None) -> None:
+        for b in blocks:
+            if hold_until is not None and hold_until > now and len(self._held) < self._held_cap:
+                self._held[b] = hold_until
+                heapq.heappush(self._deadlines, (hold_until, b))
+            elif self._sharers.get(b, 0) >= self.protect_after:
+                self._protected[b] = None
+            else:
+                self._probation[b] = None
+        while len(self._protected) > self._protected_cap:
+            b, _ = self._protected.popitem(last=False)
+            self._probation[b] = None
+
+    def remove(self, block: int) -> None:
+        if self._probation.pop(block, 0) is None:
+            return
+        if self._protected.pop(block, 0) is None:
+            return
+        del self._held[block]  # its heap entry goes stale
+
+    def pop_victim(self, now: float) -> int | None:
+        self._expire_holds(now)
+        if self._probation:
+            return self._probation.popitem(last=False)[0]
+        if self._protected:
+            return self._protected.popitem(last=False)[0]
+        while self._deadlines:
+            deadline, b = heapq.heappop(self._deadlines)
+            if self._held.get(b) == deadline:
+                del self._held[b]
+                return b
+        return None
+
+    def forget(self, block: int) -> None:
+        self._sharers.pop(block, None)
+        self._last_sharer.pop(block, None)
+
+    def _expire_holds(self, now: float) -> None:
+        expired: list[int] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, b = heapq.heappop(self._deadlines)
+            if self._held.get(b) == deadline:
+                del self._held[b]
+                expired.append(b)
+        for b in reversed(expired):  # to the front of probation, earliest deadline first
+            self._probation[b] = None
+            self._probation.move_to_end(b, last=False)
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected) + len(self._held)
+
+    def __contains__(self, block: object) -> bool:
+        return block in self._probation or block in self._protected or block in self._held
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self._probation
+        yield from self._protected
+        yield from self._held

@@ -254,6 +254,7 @@ class PrefixCache:
         d["prefix_cache_device_blocks_free"] = self.pool.num_available()
         d["prefix_cache_host_blocks"] = self.num_host_blocks
         d["prefix_cache_host_blocks_used"] = len(self.host)
+        d["prefix_cache_host_bytes_used"] = len(self.host) * self.stats.bytes_per_block
         return d
 
     def check_invariants(self) -> None:

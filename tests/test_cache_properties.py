@@ -31,7 +31,7 @@ def test_random_workloads_keep_invariants(ops, num_device, num_host, policy, wri
     store = ByteStore(num_device, num_host)
     c = PrefixCache(
         num_device, BS, num_host, store=store, policy=policy, write_through=write_through,
-        clock=lambda: now[0],
+        clock=lambda: now[0], bytes_per_block=7,
     )
     live: dict[str, list] = {}  # seq -> its full-block keys
     for n, (kind, arg, extra) in enumerate(ops):
@@ -64,6 +64,7 @@ def test_random_workloads_keep_invariants(ops, num_device, num_host, policy, wri
         c.check_invariants()
         check_bytes(c, store)
         assert len(c.host) <= num_host
+        assert c.snapshot()["prefix_cache_host_bytes_used"] <= 7 * num_host  # the byte budget
         used = sum(1 for rc in c.pool.refcount if rc > 0)
         assert c.num_free_blocks() + used == num_device
     for seq in list(live):

@@ -64,3 +64,20 @@ def test_belady_is_optimal_on_a_classic_sequence():
 def test_oversize_requests_are_full_misses():
     r = replay_trace(load_trace(TRACE), device_tokens=512 * 8)
     assert r["oversize_requests"] > 0 and 0 <= r["hit_ratio_blocks"] < EXP["lru_32"]
+
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake-synthetic-trace.jsonl"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="the shared Mooncake synthetic trace is not here")
+def test_plain_lru_reproduces_the_published_replay_figures():
+    requests = load_trace(SHARED_TRACE)
+    # Published: infinite cache 0.640 of blocks (0.651 of tokens); LRU 1,000 blocks 0.083, 8,000 0.372.
+    r = replay_trace(requests, device_tokens=512 * 1000)
+    assert r["infinite_bound"]["hit_ratio_blocks"] == pytest.approx(0.640, abs=0.001)
+    assert r["infinite_bound"]["hit_ratio_tokens"] == pytest.approx(0.651, abs=0.001)
+    assert r["hit_ratio_blocks"] == pytest.approx(0.083, abs=0.005)
+    assert replay_trace(requests, 512 * 8000, references=False)["hit_ratio_blocks"] == pytest.approx(
+        0.372, abs=0.005
+    )

@@ -5,6 +5,7 @@ The cache imports nothing above it and never touches KV bytes (the engine does, 
 
 from .budget import blocks_for_budget, kv_bytes_per_block
 from .hashing import BlockHash, hash_blocks
+from .ikcode_policy import IkcodePolicy
 from .policy import EvictionPolicy, LRUPolicy, make_policy
 from .prefix_cache import PrefixCache
 from .stats import CacheStats
@@ -15,6 +16,7 @@ __all__ = [
     "BlockHash",
     "CacheStats",
     "EvictionPolicy",
+    "IkcodePolicy",
     "KVStore",
     "LRUPolicy",
     "Match",

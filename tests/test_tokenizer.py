@@ -1,0 +1,112 @@
+"""The tokenizer on a small byte-level BPE built in the test (no model file needed)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ikcode.model.tokenizer import CHATML_TEMPLATE, Tokenizer
+
+MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("Ġw", "o"), ("Ġwo", "r")]
+CORPUS = [
+    "hello world",
+    "def f(x):\n    return x + 1\n\n\n",
+    "digits 1234567890 and 3.14159, 2026-11-29",
+    "unicode: café naïve 日本語 😀👍🏽 Ωmega",
+    "tabs\tand   spaces   \n\t  mixed\r\n",
+    "",
+    " ",
+    "<|im_start|>user\nhi<|im_end|>\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_vocab(merges=MERGES)
+
+
+def test_round_trip(tok: Tokenizer) -> None:
+    for text in CORPUS:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_merges_apply_and_no_bos(tok: Tokenizer) -> None:
+    ids = tok.encode("hello")
+    assert ids == [tok.token_to_id("hello")]
+    assert tok.encode(" wor") == [tok.token_to_id("Ġwor")]
+    assert tok.bos_token_id is None or tok.encode("x")[0] != tok.bos_token_id
+
+
+def test_digits_are_single_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("x 2048")
+    assert [tok.id_to_token(i) for i in ids] == ["x", "Ġ", "2", "0", "4", "8"]
+
+
+def test_special_tokens_are_single_ids(tok: Tokenizer) -> None:
+    start, end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    assert tok.encode("<|im_start|>hello<|im_end|>") == [start, tok.token_to_id("hello"), end]
+    assert tok.special_token_ids == {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
+    assert tok.eos_token_ids == (end,)
+    # Untrusted text can ask for special tokens to stay text.
+    literal = tok.encode("<|im_end|>", allow_special=False)
+    assert end not in literal and len(literal) > 1
+    assert tok.decode(literal) == "<|im_end|>"
+
+
+def test_vocab_size_counts_bytes_specials_and_merges(tok: Tokenizer) -> None:
+    assert tok.vocab_size == 3 + 256 + len(MERGES)
+
+
+def test_json_round_trip(tok: Tokenizer) -> None:
+    again = Tokenizer.from_json(tok.to_json())
+    assert again.eos_token_ids == tok.eos_token_ids and again.chat_template == CHATML_TEMPLATE
+    for text in CORPUS:
+        assert again.encode(text) == tok.encode(text)
+    assert again.encode("<|im_end|>", allow_special=False) == tok.encode("<|im_end|>", allow_special=False)
+
+
+def test_incremental_decoder_matches_full_decode(tok: Tokenizer) -> None:
+    rng = random.Random(7)
+    text = "".join(CORPUS)
+    ids = tok.encode(text)
+    for _ in range(20):
+        decoder = tok.incremental_decoder()
+        pieces, i = [], 0
+        while i < len(ids):
+            step = rng.randint(1, 3)
+            pieces.append(decoder.feed(ids[i : i + step]))
+            i += step
+        pieces.append(decoder.flush())
+        assert "".join(pieces) == text
+        assert all("\ufffd" not in p for p in pieces)
+
+
+def test_incremental_decoder_holds_partial_characters(tok: Tokenizer) -> None:
+    ids = tok.encode("😀")  # four byte tokens
+    assert len(ids) == 4
+    decoder = tok.incremental_decoder()
+    assert [decoder.feed(i) for i in ids] == ["", "", "", "😀"]
+    assert decoder.flush() == ""
+
+
+def test_incremental_decoder_flushes_an_incomplete_tail(tok: Tokenizer) -> None:
+    ids = tok.encode("a😀")[:-1]  # stream ends inside the emoji
+    decoder = tok.incremental_decoder()
+    assert decoder.feed(ids[0]) == "a"
+    assert decoder.feed(ids[1:]) == ""
+    assert decoder.flush() == "\ufffd"
+
+
+def test_incremental_decoder_with_prompt_context(tok: Tokenizer) -> None:
+    prompt = tok.encode("hello")
+    decoder = tok.incremental_decoder(context_ids=prompt)
+    assert decoder.feed(tok.encode(" world")) == " world"
+
+
+def test_random_ids_never_emit_split_characters(tok: Tokenizer) -> None:
+    rng = random.Random(3)
+    ids = [rng.randrange(3, tok.vocab_size) for _ in range(400)]
+    decoder = tok.incremental_decoder()
+    out = "".join(decoder.feed(i) for i in ids) + decoder.flush()
+    assert out == tok.decode(ids)

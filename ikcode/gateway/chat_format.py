@@ -1,0 +1,124 @@
+"""The role markers of a model's chat template, as strings around one message.
+
+Rendering works message by message (so that each message's tokens can be cached and reused), so
+the template is reduced to: an optional start-of-text, a prefix and a suffix per role, and the
+generation prompt. ChatML models (SmolLM2, Qwen) are recognised by their special tokens; other
+templates are probed by rendering them with jinja2 around sentinel contents and splitting the
+result at the end-of-turn token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+ROLES = ("system", "user", "assistant")
+
+
+class TokenizerLike(Protocol):
+    """What the gateway needs from a tokenizer (ikcode.model.tokenizer.Tokenizer has it)."""
+
+    def encode(self, text: str, allow_special: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    prefix: dict[str, str]  # role -> text before the content
+    suffix: dict[str, str]  # role -> text after the content
+    generation_prompt: str  # opens the assistant turn the model writes
+    start: str = ""  # once at the very beginning (a BOS the template writes)
+    end_of_turn: str = ""  # the token that closes a turn (a stop token)
+    name: str = "chatml"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def chatml_format() -> ChatFormat:
+    prefix = {role: f"<|im_start|>{role}\n" for role in ROLES}
+    suffix = {role: "<|im_end|>\n" for role in ROLES}
+    return ChatFormat(prefix, suffix, "<|im_start|>assistant\n", end_of_turn="<|im_end|>")
+
+
+def derive_chat_format(tokenizer: TokenizerLike, chat_template: str | None = None) -> ChatFormat:
+    """ChatML when the vocabulary has its markers, else probe the template, else ChatML."""
+    if tokenizer.token_to_id("<|im_start|>") is not None and tokenizer.token_to_id("<|im_end|>") is not None:
+        return chatml_format()
+    if chat_template:
+        probed = probe_template(chat_template, _special_strings(tokenizer))
+        if probed is not None:
+            return probed
+    return chatml_format()
+
+
+def _special_strings(tokenizer: TokenizerLike) -> dict[str, str]:
+    specials = {}
+    for name in ("bos_token", "eos_token"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, str):
+            specials[name] = value
+    return specials
+
+
+_SENTINEL = {"system": "\x01SYS\x01", "user": "\x01USR\x01", "assistant": "\x01AST\x01"}
+
+
+def probe_template(chat_template: str, specials: dict[str, str]) -> ChatFormat | None:
+    """Render [system, user, assistant, user] with sentinels and cut the markers out."""
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        template = env.from_string(chat_template)
+        order = ["system", "user", "assistant", "user"]
+        messages = [{"role": r, "content": _SENTINEL[r] + str(i)} for i, r in enumerate(order)]
+        text = template.render(messages=messages, add_generation_prompt=True, **specials)
+        without_gen = template.render(messages=messages, add_generation_prompt=False, **specials)
+    except Exception:  # a template we cannot run: fall back to ChatML
+        return None
+    generation_prompt = text[len(without_gen) :] if text.startswith(without_gen) else ""
+    spans = []
+    pos = 0
+    for i, role in enumerate(order):
+        marker = _SENTINEL[role] + str(i)
+        at = without_gen.find(marker, pos)
+        if at < 0:
+            return None
+        spans.append((at, at + len(marker)))
+        pos = at + len(marker)
+    start_and_sys_prefix = without_gen[: spans[0][0]]
+    between = [without_gen[spans[i][1] : spans[i + 1][0]] for i in range(3)]
+    # A turn ends at its end-of-turn token; whitespace after it still belongs to the turn.
+    eot = _end_of_turn(between[1], specials.get("eos_token"))
+    if eot is None:
+        return None
+
+    def split(gap: str) -> tuple[str, str]:
+        cut = gap.find(eot) + len(eot)
+        while cut < len(gap) and gap[cut] in "\n ":
+            cut += 1
+        return gap[:cut], gap[cut:]
+
+    sys_suffix, user_prefix = split(between[0])
+    user_suffix, asst_prefix = split(between[1])
+    asst_suffix, _ = split(between[2])
+    bos = specials.get("bos_token") or ""
+    start = bos if bos and start_and_sys_prefix.startswith(bos) else ""
+    sys_prefix = start_and_sys_prefix[len(start) :]
+    return ChatFormat(
+        prefix={"system": sys_prefix, "user": user_prefix, "assistant": asst_prefix},
+        suffix={"system": sys_suffix, "user": user_suffix, "assistant": asst_suffix},
+        generation_prompt=generation_prompt or asst_prefix,
+        start=start,
+        end_of_turn=eot,
+        name="probed",
+    )
+
+
+def _end_of_turn(gap: str, eos: str | None) -> str | None:
+    for candidate in (eos, "<|eot_id|>", "<|im_end|>", "<|end|>", "</s>", "<end_of_turn>"):
+        if candidate and candidate in gap:
+            return candidate
+    return None

@@ -1,0 +1,86 @@
+"""What the renderer remembers between requests: segment tokenizations and generated replies.
+
+- Segment tokens, keyed by a digest of (role, content): a warm turn of a long conversation only
+  tokenizes its new messages.
+- Reply tokens, keyed by (digest of everything rendered before the reply, digest of the reply's
+  content as the client echoes it back): the exact ids the model generated are reused, so the
+  next request starts with exactly the tokens the engine already holds. Re-tokenizing the text
+  of a reply (or the JSON of a tool call) would often give other ids and break the prefix there.
+
+Both are bounded LRU maps (by tokens held) shared by all conversations; thread-safe because
+rendering runs on worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+Key = bytes | tuple[bytes, bytes]
+
+
+class _TokenLRU:
+    def __init__(self, max_tokens: int):
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._items: OrderedDict[Key, list[int]] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Key) -> list[int] | None:
+        ids = self._items.get(key)
+        if ids is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return ids
+
+    def put(self, key: Key, ids: list[int]) -> None:
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.tokens -= len(old)
+        self._items[key] = ids
+        self.tokens += len(ids)
+        while self.tokens > self.max_tokens and len(self._items) > 1:
+            _, evicted = self._items.popitem(last=False)
+            self.tokens -= len(evicted)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class ConversationStore:
+    def __init__(self, max_segment_tokens: int = 8_000_000, max_reply_tokens: int = 2_000_000):
+        self._lock = threading.Lock()
+        self._segments = _TokenLRU(max_segment_tokens)
+        self._replies = _TokenLRU(max_reply_tokens)
+
+    def segment(self, key: bytes) -> list[int] | None:
+        with self._lock:
+            return self._segments.get(key)
+
+    def put_segment(self, key: bytes, ids: list[int]) -> None:
+        with self._lock:
+            self._segments.put(key, ids)
+
+    def reply(self, prefix_key: bytes, content_key: bytes) -> list[int] | None:
+        with self._lock:
+            return self._replies.get((prefix_key, content_key))
+
+    def put_reply(self, prefix_key: bytes, content_key: bytes, ids: list[int]) -> None:
+        with self._lock:
+            self._replies.put((prefix_key, content_key), ids)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "segments": len(self._segments),
+                "segment_tokens": self._segments.tokens,
+                "segment_hits": self._segments.hits,
+                "segment_misses": self._segments.misses,
+                "replies": len(self._replies),
+                "reply_tokens": self._replies.tokens,
+                "reply_hits": self._replies.hits,
+                "reply_misses": self._replies.misses,
+            }

@@ -1,0 +1,230 @@
+"""One running answer: engine events in, SSE or a JSON message out, and the bookkeeping after.
+
+Whatever happens (a finished reply, a stop sequence, an engine error, a client that hangs up)
+the engine request ends (`engine.abort` when we stop reading early), the stream ends with a final
+event, the request is logged and counted, and a finished reply's token ids are remembered for
+the next turn of the conversation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from ikcode.engines.base import (
+    CacheLookup,
+    EngineError,
+    FinishReason,
+    RequestStats,
+    RequestStream,
+    TokenEvent,
+)
+from ikcode.gateway.errors import APIError, from_engine_error
+from ikcode.gateway.render import RenderedPrompt
+from ikcode.gateway.reply_builder import ReplyBuilder
+from ikcode.gateway.sse import PING, sse_event
+from ikcode.gateway.state import Gateway
+
+logger = logging.getLogger("ikcode.gateway")
+
+
+class _EventReader:
+    """Next engine event, or None after `timeout` (time to send a ping); cancellable."""
+
+    def __init__(self, stream: RequestStream):
+        self._iter = stream.__aiter__()
+        self._pending: asyncio.Future[TokenEvent] | None = None
+
+    async def next(self, timeout: float) -> TokenEvent | None:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._iter.__anext__())
+        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
+        if not done:
+            return None
+        task, self._pending = self._pending, None
+        return task.result()
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+            self._pending = None
+
+
+class Generation:
+    def __init__(
+        self,
+        gw: Gateway,
+        request_id: str,
+        model: str,
+        stream: RequestStream,
+        rendered: RenderedPrompt,
+        lookup: CacheLookup,
+        stop_sequences: list[str],
+        record: dict[str, Any],
+        arrived: float,
+    ):
+        self.gw = gw
+        self.request_id = request_id
+        self.model = model
+        self.stream = stream
+        self.rendered = rendered
+        self.lookup = lookup
+        self.record = record
+        self.arrived = arrived
+        self.builder = ReplyBuilder(gw.tokenizer, gw.renderer.stop_token_ids, stop_sequences)
+        self.reader = _EventReader(stream)
+        self.stats: RequestStats | None = None
+        self.first_token_at: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self.error: EngineError | None = None
+        self.finished = False  # the engine sent its final event
+        self.completed = False  # the client got a whole answer
+        self._stop_requested = False
+        self._closed = False
+        gw.in_flight += 1
+        gw.metrics.in_flight.inc()
+
+    # -- engine side --------------------------------------------------------------------------
+    def _consume(self, event: TokenEvent) -> list[dict[str, Any]]:
+        if event.token_ids and self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        if event.stats is not None:
+            self.stats = event.stats
+        events = self.builder.push(event.token_ids) if event.token_ids else []
+        if event.finished:
+            self.finished = True
+            self.finish_reason = event.finish_reason
+            self.error = event.error if event.finish_reason == FinishReason.ERROR else None
+            if self.finish_reason == FinishReason.ERROR and self.error is None:
+                self.error = EngineError("the engine failed this request")
+        elif self.builder.done and not self._stop_requested:  # a stop sequence matched
+            self._stop_requested = True
+            self.gw.engine.abort(self.request_id)
+        return events
+
+    def _usage(self, final: bool) -> dict[str, int]:
+        prompt = len(self.rendered.token_ids)
+        cached = self.stats.cached_tokens if (final and self.stats is not None) else self.lookup.cached_tokens
+        return {
+            "input_tokens": prompt - cached,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached,
+            "output_tokens": len(self.builder.generated_ids) if final else 0,
+        }
+
+    def _stop_reason(self) -> str:
+        if self.builder.stop_sequence is not None:
+            return "stop_sequence"
+        if self.builder.called_tool:
+            return "tool_use"
+        return "max_tokens" if self.finish_reason == FinishReason.LENGTH else "end_turn"
+
+    def _message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": self._stop_reason() if final else None,
+            "stop_sequence": self.builder.stop_sequence if final else None,
+            "usage": self._usage(final),
+        }
+
+    # -- streaming ----------------------------------------------------------------------------
+    async def sse(self) -> AsyncIterator[bytes]:
+        ping = self.gw.settings.ping_interval_s
+        try:
+            yield sse_event({"type": "message_start", "message": self._message([], final=False)})
+            while not self.finished:
+                event = await self.reader.next(ping)
+                if event is None:
+                    yield PING
+                    continue
+                for item in self._consume(event):
+                    yield sse_event(item)
+            if self.error is not None:
+                yield sse_event(from_engine_error(self.error).body())
+                return
+            for item in self.builder.finish():
+                yield sse_event(item)
+            delta = {"stop_reason": self._stop_reason(), "stop_sequence": self.builder.stop_sequence}
+            yield sse_event({"type": "message_delta", "delta": delta, "usage": self._usage(final=True)})
+            yield sse_event({"type": "message_stop"})
+            self.completed = True
+        except Exception:  # a bug of ours: the client still gets a well-formed end of stream
+            logger.exception("request %s failed while streaming", self.request_id)
+            self.error = self.error or EngineError("internal error")
+            yield sse_event(APIError(500, "internal server error").body())
+        finally:
+            self.close()
+
+    # -- non-streaming ------------------------------------------------------------------------
+    async def collect(self, request: Request) -> Response:
+        try:
+            while not self.finished:
+                event = await self.reader.next(self.gw.settings.ping_interval_s)
+                if event is None:
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                    continue
+                self._consume(event)
+            if self.error is not None:
+                raise from_engine_error(self.error)
+            self.builder.finish()
+            self.completed = True
+            return JSONResponse(self._message(self.builder.content, final=True))
+        finally:
+            self.close()
+
+    # -- bookkeeping --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.reader.close()
+        gw = self.gw
+        if not self.finished:  # the client went away: free the engine's sequence now
+            gw.engine.abort(self.request_id)
+        gw.in_flight -= 1
+        gw.metrics.in_flight.dec()
+        if self.completed:
+            try:
+                gw.renderer.remember_reply(self.rendered, self.builder.content, self.builder.generated_ids)
+            except Exception:
+                logger.exception("could not remember the reply of %s", self.request_id)
+        ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
+        gw.metrics.observe_generation(self.stats, ttft, len(self.builder.generated_ids))
+        self._write_record(ttft)
+
+    def _write_record(self, ttft: float | None) -> None:
+        stats = self.stats
+        record = self.record
+        record.update(
+            prompt_tokens=len(self.rendered.token_ids),
+            tokenized_tokens=self.rendered.fresh_tokens,
+            cached_tokens_device=stats.cached_tokens_device if stats else 0,
+            cached_tokens_host=stats.cached_tokens_host if stats else 0,
+            hit_rate=round(stats.hit_rate, 4) if stats else 0.0,
+            queue_wait_ms=_ms(stats.queue_wait_s if stats else None),
+            ttft_ms=_ms(ttft),
+            duration_ms=_ms(time.monotonic() - self.arrived),
+            output_tokens=len(self.builder.generated_ids),
+            stop_reason=self._stop_reason() if self.completed else None,
+            error=None if self.completed else (str(self.error) if self.error else "client disconnected"),
+        )
+        if self.gw.settings.log_prompts:
+            record["prompt_token_ids"] = self.rendered.token_ids
+            record["output_token_ids"] = self.builder.generated_ids
+            record["output"] = self.builder.content
+        self.gw.log.write(record)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)

@@ -1,0 +1,127 @@
+"""POST /v1/messages and /v1/messages/count_tokens: validate, render, submit, answer."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ikcode.engines.base import CacheLookup, EngineError, EngineRequest, PromptTooLong, SamplingParams
+from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
+from ikcode.gateway.generation import Generation
+from ikcode.gateway.render import RenderedPrompt
+from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
+from ikcode.gateway.state import Gateway
+
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_hex(12)
+
+
+def check_model(gw: Gateway, model: str) -> None:
+    if not gw.settings.accepts(model):
+        raise APIError(404, f"model: {model} (this server serves {gw.settings.served_model})")
+
+
+def sampling_params(gw: Gateway, body: MessagesRequest) -> SamplingParams:
+    limit = gw.settings.max_output_tokens
+    if body.max_tokens < 1:
+        raise invalid_request(f"max_tokens: must be at least 1, got {body.max_tokens}")
+    if body.max_tokens > limit:
+        raise invalid_request(
+            f"max_tokens: {body.max_tokens} > {limit}, which is the maximum allowed number of output "
+            f"tokens for {gw.settings.served_model}"
+        )
+    temperature = gw.settings.default_temperature if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if top_p == 0.0:  # nucleus of zero mass: only the most likely token
+        temperature, top_p = 0.0, 1.0
+    return SamplingParams(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=body.top_k or 0,
+        max_tokens=body.max_tokens,
+        stop_token_ids=gw.renderer.stop_token_ids,
+    )
+
+
+def check_unsupported(body: MessagesRequest) -> None:
+    output_format = (body.output_config or {}).get("format")
+    if output_format is not None:
+        raise invalid_request(
+            "output_config.format: structured output (JSON schema constrained decoding) is not "
+            "supported by this server's engine; ask for JSON in the prompt instead"
+        )
+    if body.tool_choice is not None and body.tool_choice.type == "tool" and not body.tool_choice.name:
+        raise invalid_request("tool_choice.name: required when tool_choice.type is 'tool'")
+    for index, stop in enumerate(body.stop_sequences or []):
+        if not stop.strip():
+            raise invalid_request(f"stop_sequences.{index}: each stop sequence must contain non-whitespace")
+
+
+def _render(gw: Gateway, body: MessagesRequest | CountTokensRequest) -> RenderedPrompt:
+    return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages)
+
+
+def _render_and_lookup(gw: Gateway, body: MessagesRequest, salt: str) -> tuple[RenderedPrompt, CacheLookup]:
+    rendered = _render(gw, body)
+    if len(rendered.token_ids) >= gw.context_window:
+        return rendered, CacheLookup(len(rendered.token_ids))
+    return rendered, gw.engine.lookup(rendered.token_ids, salt)
+
+
+async def create_message(gw: Gateway, request: Request, body: MessagesRequest, user: str | None) -> Response:
+    arrived = time.monotonic()
+    request_id = new_message_id()
+    session_id = request.headers.get("x-claude-code-session-id")
+    record: dict[str, Any] = {
+        "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "request_id": request_id,
+        "session_id": session_id,
+        "user": user,
+        "model": body.model,
+        "stream": bool(body.stream),
+    }
+    try:
+        check_model(gw, body.model)
+        sampling = sampling_params(gw, body)
+        check_unsupported(body)
+        limit = gw.settings.max_concurrent_requests
+        if limit is not None and gw.in_flight >= limit:
+            raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
+        salt = (user or "") if gw.settings.cache_salt_per_user else ""
+        rendered, lookup = await run_in_threadpool(_render_and_lookup, gw, body, salt)
+        prompt_tokens = len(rendered.token_ids)
+        if prompt_tokens >= gw.context_window:
+            raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))
+        # The reply cannot run past the context window.
+        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, gw.context_window - prompt_tokens))
+        engine_request = EngineRequest(request_id, rendered.token_ids, sampling, salt, session_id)
+        try:
+            stream = gw.engine.submit(engine_request)
+        except EngineError as error:
+            raise from_engine_error(error) from None
+    except APIError as error:
+        record.update(status=error.status, error=error.message)
+        gw.log.write(record)
+        raise
+    generation = Generation(
+        gw, request_id, body.model, stream, rendered, lookup, body.stop_sequences or [], record, arrived
+    )
+    if body.stream:
+        return StreamingResponse(generation.sse(), media_type="text/event-stream", headers=STREAM_HEADERS)
+    return await generation.collect(request)
+
+
+async def count_tokens(gw: Gateway, body: CountTokensRequest) -> Response:
+    check_model(gw, body.model)
+    rendered = await run_in_threadpool(_render, gw, body)
+    return JSONResponse({"input_tokens": len(rendered.token_ids)})

@@ -1,0 +1,91 @@
+"""Prometheus metrics of one gateway, in a registry of its own (several apps per process in tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ikcode.engines.base import Engine, RequestStats
+
+WARM_HIT_RATE = 0.5  # a request that found at least half its prompt cached counts as warm
+_TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300)
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
+
+
+class _LiveCollector(Collector):
+    """Engine load and cache statistics, read at scrape time."""
+
+    def __init__(self, engine: Engine, extra: Callable[[], dict[str, Any]]):
+        self.engine = engine
+        self.extra = extra
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            load = self.engine.load()
+        except Exception:  # an engine that cannot answer must not break the scrape
+            return
+        for name in (
+            "running",
+            "waiting",
+            "kv_blocks_total",
+            "kv_blocks_used",
+            "kv_blocks_cached",
+            "host_blocks_total",
+            "host_blocks_used",
+        ):
+            yield GaugeMetricFamily(
+                f"ikcode_engine_{name}", f"engine {name.replace('_', ' ')}", value=getattr(load, name)
+            )
+        stats: dict[str, Any] = {}
+        cache_stats = getattr(self.engine, "cache_stats", None)
+        if callable(cache_stats):
+            try:
+                stats.update({f"cache_{k}": v for k, v in dict(cache_stats()).items()})
+            except Exception:
+                pass
+        stats.update(self.extra())
+        for key, value in stats.items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                yield GaugeMetricFamily(f"ikcode_{key}", key.replace("_", " "), value=value)
+
+
+class GatewayMetrics:
+    def __init__(self, engine: Engine, extra: Callable[[], dict[str, Any]] = dict):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("ikcode_requests", "requests answered", ["route", "status"], registry=r)
+        self.ttft = Histogram(
+            "ikcode_ttft_seconds",
+            "time to first token, from arrival",
+            ["cache"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "ikcode_queue_wait_seconds", "time queued in the engine", buckets=_WAIT_BUCKETS, registry=r
+        )
+        self.prompt_tokens = Counter("ikcode_prompt_tokens", "prompt tokens", registry=r)
+        self.cached_tokens = Counter(
+            "ikcode_cached_tokens", "prompt tokens served from cache", ["tier"], registry=r
+        )
+        self.generated_tokens = Counter("ikcode_generated_tokens", "generated tokens", registry=r)
+        self.in_flight = Gauge("ikcode_requests_in_flight", "requests being answered", registry=r)
+        r.register(_LiveCollector(engine, extra))
+
+    def observe_generation(
+        self, stats: RequestStats | None, ttft_s: float | None, output_tokens: int
+    ) -> None:
+        self.generated_tokens.inc(output_tokens)
+        if stats is None:
+            return
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_tokens.labels("device").inc(stats.cached_tokens_device)
+        self.cached_tokens.labels("host").inc(stats.cached_tokens_host)
+        if ttft_s is not None:
+            self.ttft.labels("warm" if stats.hit_rate >= WARM_HIT_RATE else "cold").observe(ttft_s)
+        if stats.queue_wait_s is not None:
+            self.queue_wait.observe(stats.queue_wait_s)

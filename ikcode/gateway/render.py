@@ -1,0 +1,283 @@
+"""Messages + system + tools -> prompt token ids, append-only and incremental.
+
+The prompt is a chain of segments: [system + tools], then one per message, then the generation
+prompt. Each segment begins and ends at a role marker (special tokens), and its content is
+tokenized on its own, so the tokens of a conversation are the concatenation of the tokens of its
+segments: a warm turn tokenizes only its new messages (the rest come from the store), and the
+next request of a conversation starts with exactly this request's tokens plus the reply (whose
+generated ids the store keeps, keyed by the chain digest before it and its echoed content).
+
+What is stripped or ignored, on purpose: the `x-anthropic-billing-header` system line (it differs
+per conversation and would keep the long system prompt out of the shared cache) and
+`cache_control` markers (they move every turn). Mid-conversation system messages stay in place.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from hashlib import blake2b
+from typing import Any
+
+from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
+from ikcode.gateway.conversation_store import ConversationStore
+from ikcode.gateway.errors import invalid_request
+from ikcode.gateway.tool_format import tool_call_text, tool_response_text, tools_section
+
+BILLING_HEADER = "x-anthropic-billing-header"
+IMAGE_PLACEHOLDER = "[image omitted: the served model reads text only]"
+_ROOT = b"\x00" * 16
+# Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present.
+_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def _digest(data: bytes) -> bytes:
+    return blake2b(data, digest_size=16).digest()
+
+
+def _chain(parent: bytes, key: bytes) -> bytes:
+    return blake2b(parent + key, digest_size=16).digest()
+
+
+def _get(block: Any, name: str) -> Any:
+    return block.get(name) if isinstance(block, dict) else getattr(block, name, None)
+
+
+@dataclass
+class RenderedPrompt:
+    token_ids: list[int]
+    reply_prefix_key: bytes | None  # chain digest before the reply; None for a prefill
+    fresh_tokens: int  # tokens tokenized by this render (the rest came from the store)
+    segments: int
+
+
+def system_text(system: str | list[Any] | None) -> str:
+    if system is None:
+        return ""
+    texts = [system] if isinstance(system, str) else [_get(b, "text") for b in system]
+    kept = []
+    for text in texts:
+        if BILLING_HEADER in text:
+            text = "\n".join(line for line in text.split("\n") if not line.startswith(BILLING_HEADER))
+        if text.strip():
+            kept.append(text)
+    return "\n\n".join(kept)
+
+
+def assistant_content_key(content: str | list[Any]) -> bytes:
+    """Digest of an assistant turn as the client echoes it (ids, names, inputs, non-empty text)."""
+    parts: list[Any] = []
+    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    for block in blocks:
+        kind = _get(block, "type")
+        if kind == "text":
+            text = _get(block, "text").strip()
+            if text:
+                parts.append(["t", text])
+        elif kind in ("tool_use", "server_tool_use"):
+            parts.append(["u", _get(block, "id"), _get(block, "name"), _get(block, "input")])
+        elif kind == "thinking":
+            parts.append(["k", _get(block, "thinking")])
+        elif kind == "redacted_thinking":
+            parts.append(["r", _get(block, "data")])
+    return _digest(json.dumps(parts, sort_keys=True, ensure_ascii=False).encode())
+
+
+class Renderer:
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        chat_format: ChatFormat | None = None,
+        store: ConversationStore | None = None,
+        chat_template: str | None = None,
+    ):
+        self.tokenizer = tokenizer
+        template = chat_template or getattr(tokenizer, "chat_template", None)
+        self.format = chat_format or derive_chat_format(tokenizer, template)
+        self.store = store or ConversationStore()
+        # Guard against tokenizers that add a BOS on every call: strip it per segment.
+        self._auto = len(tokenizer.encode("", allow_special=False))
+        fmt = self.format
+        self._start_ids = self._encode(fmt.start, True) if fmt.start else []
+        self._prefix_ids = {r: self._encode(fmt.prefix[r], True) for r in ROLES}
+        self._suffix_ids = {r: self._encode(fmt.suffix[r], True) for r in ROLES}
+        # The assistant turn opens exactly like the generation prompt, so a reply fits in place.
+        self._prefix_ids["assistant"] = self._gen_ids = self._encode(fmt.generation_prompt, True)
+        self._tag_ids = {t: i for t in _TAGS if (i := tokenizer.token_to_id(t)) is not None}
+        self._tag_re = (
+            re.compile("(" + "|".join(map(re.escape, self._tag_ids)) + ")") if self._tag_ids else None
+        )
+        eot = tokenizer.token_to_id(fmt.end_of_turn) if fmt.end_of_turn else None
+        eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(((eot,) if eot is not None else ()) + eos))
+
+    # -- tokenization -------------------------------------------------------------------------
+    def _encode(self, text: str, allow_special: bool) -> list[int]:
+        ids = self.tokenizer.encode(text, allow_special=allow_special)
+        return ids[self._auto :] if self._auto else ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Content text: special-token strings in it stay text (no role injection)."""
+        if not text:
+            return []
+        if self._tag_re is None or "<" not in text:
+            return self._encode(text, False)
+        ids: list[int] = []
+        for piece in self._tag_re.split(text):
+            tag = self._tag_ids.get(piece)
+            if tag is not None:
+                ids.append(tag)
+            elif piece:
+                ids.extend(self._encode(piece, False))
+        return ids
+
+    def _segment(self, role: str, key: bytes, text_fn: Any, closed: bool = True) -> tuple[list[int], int]:
+        """Token ids of one turn, from the store when known; returns (ids, freshly tokenized)."""
+        ids = self.store.segment(key) if closed else None
+        if ids is not None:
+            return ids, 0
+        body = self._encode_plain(text_fn())
+        ids = self._prefix_ids[role] + body + (self._suffix_ids[role] if closed else [])
+        if closed:
+            self.store.put_segment(key, ids)
+        return ids, len(body)
+
+    # -- rendering ----------------------------------------------------------------------------
+    def render(
+        self, system: Any, tools: list[Any] | None, tool_choice: Any, messages: list[Any]
+    ) -> RenderedPrompt:
+        if not messages:
+            raise invalid_request("messages: at least one message is required")
+        ids: list[int] = list(self._start_ids)
+        chain, fresh, count = _ROOT, 0, 0
+        sys_text = system_text(system)
+        tools_text = tools_section(tools or [], tool_choice)
+        if tools_text:
+            sys_text = f"{sys_text}\n\n{tools_text}" if sys_text else tools_text
+        if sys_text:
+            key = _digest(b"system\x00" + sys_text.encode())
+            seg, n = self._segment("system", key, lambda: sys_text)
+            ids.extend(seg)
+            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
+        turns = _merge_assistant_turns(messages)
+        prefill = False
+        for index, (role, content) in enumerate(turns):
+            last = index == len(turns) - 1
+            if role == "assistant":
+                key = b"a" + assistant_content_key(content)
+                prefill = last
+                reply = None if prefill else self.store.reply(chain, key[1:])
+                if reply is not None:
+                    seg, n = reply, 0
+                else:
+                    seg, n = self._segment(
+                        "assistant", key, lambda c=content: self._assistant_text(c), not last
+                    )
+            else:
+                text = self._user_text(content) if role == "user" else self._system_message_text(content)
+                key = _digest(role.encode() + b"\x00" + text.encode())
+                seg, n = self._segment(role, key, lambda t=text: t)
+            ids.extend(seg)
+            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
+        if not prefill:
+            ids.extend(self._gen_ids)
+        return RenderedPrompt(ids, None if prefill else chain, fresh, count)
+
+    def remember_reply(self, rendered: RenderedPrompt, content: list[Any], generated_ids: list[int]) -> None:
+        """Keep the reply's generated ids for when the client sends this turn back."""
+        if rendered.reply_prefix_key is None:
+            return
+        ids = list(generated_ids)
+        while ids and ids[-1] in self.stop_token_ids:
+            ids.pop()
+        segment = self._gen_ids + ids + self._suffix_ids["assistant"]
+        self.store.put_reply(rendered.reply_prefix_key, assistant_content_key(content), segment)
+
+    # -- content -> text ----------------------------------------------------------------------
+    def _user_text(self, content: str | list[Any]) -> str:
+        if isinstance(content, str):
+            return content
+        parts = []
+        for block in content:
+            kind = block.type
+            if kind == "text":
+                parts.append(block.text)
+            elif kind == "tool_result":
+                parts.append(tool_response_text(self._result_text(block.content), bool(block.is_error)))
+            elif kind == "image":
+                raise invalid_request("image content is not supported: the served model reads text only")
+            elif kind == "document":
+                parts.append(_document_text(block))
+            elif kind in ("tool_use", "server_tool_use"):
+                raise invalid_request("messages: tool_use blocks may only appear in assistant messages")
+            # thinking blocks in a user turn carry nothing for the model
+        return "\n".join(parts)
+
+    def _result_text(self, content: str | list[Any] | None) -> str:
+        if content is None or isinstance(content, str):
+            return content or ""
+        parts = []
+        for block in content:
+            if block.type == "text":
+                parts.append(block.text)
+            elif block.type == "image":  # e.g. Read on a picture: refusing would wedge the session
+                parts.append(IMAGE_PLACEHOLDER)
+            else:
+                parts.append(_document_text(block))
+        return "\n".join(parts)
+
+    def _system_message_text(self, content: str | list[Any]) -> str:
+        if isinstance(content, str):
+            return content
+        return "\n".join(block.text for block in content if block.type == "text")
+
+    def _assistant_text(self, content: str | list[Any]) -> str:
+        if isinstance(content, str):
+            return content
+        parts = []
+        for block in content:
+            kind = block.type
+            if kind == "text":
+                parts.append(block.text)
+            elif kind in ("tool_use", "server_tool_use"):
+                parts.append(tool_call_text(block.name, block.input))
+            elif kind == "thinking":
+                parts.append(f"<think>\n{block.thinking}\n</think>")
+            elif kind in ("tool_result", "image", "document"):
+                raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
+        return "\n".join(parts)
+
+
+def _document_text(block: Any) -> str:
+    source = block.source if isinstance(block.source, dict) else {}
+    title = getattr(block, "title", None)
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif source.get("type") == "content" and isinstance(source.get("content"), list):
+        text = "\n".join(
+            b["text"] for b in source["content"] if isinstance(b, dict) and isinstance(b.get("text"), str)
+        )
+    else:
+        raise invalid_request("document content is supported only as plain text (source type 'text')")
+    return f"{title}\n{text}" if title else text
+
+
+def _merge_assistant_turns(messages: list[Any]) -> list[tuple[str, Any]]:
+    """Consecutive assistant messages are one turn (clients split a reply's blocks)."""
+    turns: list[tuple[str, Any]] = []
+    for message in messages:
+        role, content = message.role, message.content
+        if role == "assistant" and turns and turns[-1][0] == "assistant":
+            previous = turns[-1][1]
+            as_list = lambda c: [_TextLike(c)] if isinstance(c, str) else list(c)  # noqa: E731
+            turns[-1] = ("assistant", as_list(previous) + as_list(content))
+        else:
+            turns.append((role, content))
+    return turns
+
+
+@dataclass
+class _TextLike:
+    text: str
+    type: str = "text"

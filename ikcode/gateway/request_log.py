@@ -1,0 +1,41 @@
+"""One JSON line per request: how a user sees a silent cache miss, and nothing private.
+
+No prompt text, no token ids and no auth token are written unless `log_prompts` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger("ikcode.gateway")
+
+
+class RequestLog:
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._lock = threading.Lock()
+        self._file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the app's life
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is None:
+            return
+        line = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
+        try:
+            with self._lock:
+                self._file.write(line + "\n")
+                self._file.flush()
+        except OSError:  # a full disk must not fail the request
+            logger.warning("could not write the request log at %s", self.path)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

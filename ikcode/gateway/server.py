@@ -1,0 +1,62 @@
+"""Serving an app with uvicorn: in the foreground (the daemon) or on a thread (tests, tools)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+def _config(app: FastAPI, host: str, port: int, log_level: str, graceful_timeout_s: int) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,  # the gateway writes its own request log, without prompt text
+        timeout_graceful_shutdown=graceful_timeout_s,  # in-flight streams get this long on SIGTERM
+        lifespan="on",
+    )
+
+
+def run_server(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8080,
+    log_level: str = "info",
+    graceful_timeout_s: int = 30,
+) -> None:
+    """Serve until SIGINT/SIGTERM, then stop accepting, let streams finish (up to the timeout)."""
+    uvicorn.Server(_config(app, host, port, log_level, graceful_timeout_s)).run()
+
+
+class BackgroundServer:
+    """uvicorn on a daemon thread; `port=0` picks a free port (read `.port` after start)."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.server = uvicorn.Server(_config(app, host, port, log_level, graceful_timeout_s=5))
+        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=self.server.run, name="ikcode-gateway", daemon=True)
+        self.host = host
+        self.port = port
+
+    def start(self, timeout_s: float = 10.0) -> BackgroundServer:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway server did not start")
+            time.sleep(0.01)
+        sockets = [s for server in self.server.servers for s in server.sockets]
+        self.port = sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)

@@ -1,0 +1,37 @@
+"""What one gateway instance serves and how it guards itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class GatewaySettings:
+    served_model: str = "ikcode"
+    # Other names accepted for the served model (the launcher maps every Claude Code role to
+    # one of these). Anything else is a 404 that names the model: a leak must be visible.
+    model_aliases: tuple[str, ...] = ()
+    display_name: str | None = None
+    context_window: int | None = None  # None: the engine's
+    max_output_tokens: int = 32_000  # a larger max_tokens is a 400
+    auth_tokens: dict[str, str] = field(default_factory=dict)  # name -> token; empty = no auth
+    bind_loopback: bool = True  # False (e.g. 0.0.0.0) requires auth_tokens
+    request_log_path: Path | None = None  # JSON lines, one per request
+    ping_interval_s: float = 5.0  # `event: ping` after this long without another event
+    log_prompts: bool = False  # put prompt/answer token ids and text in the request log
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_concurrent_requests: int | None = None  # beyond it: 429 with retry-after
+    default_temperature: float = 1.0  # the Messages API default
+    cache_salt_per_user: bool = False  # isolate each auth token's cache entries
+
+    def accepts(self, model: str) -> bool:
+        return model == self.served_model or model in self.model_aliases
+
+    def validate(self) -> None:
+        if not self.bind_loopback and not self.auth_tokens:
+            raise ValueError("refusing to serve on a non-loopback address without auth tokens")
+        if any(not token for token in self.auth_tokens.values()):
+            raise ValueError("auth tokens must not be empty")
+        if self.ping_interval_s <= 0:
+            raise ValueError("ping_interval_s must be > 0")

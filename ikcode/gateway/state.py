@@ -1,0 +1,24 @@
+"""Everything one gateway app holds, handed to the route handlers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ikcode.engines.base import Engine
+from ikcode.gateway.chat_format import TokenizerLike
+from ikcode.gateway.metrics import GatewayMetrics
+from ikcode.gateway.render import Renderer
+from ikcode.gateway.request_log import RequestLog
+from ikcode.gateway.settings import GatewaySettings
+
+
+@dataclass
+class Gateway:
+    engine: Engine
+    tokenizer: TokenizerLike
+    renderer: Renderer
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    log: RequestLog
+    context_window: int
+    in_flight: int = 0

@@ -1,0 +1,204 @@
+"""Rendering: ChatML markers, tools, stripped billing line, append-only turns, incremental tokenization."""
+
+from __future__ import annotations
+
+import pytest
+
+from ikcode.gateway.chat_format import chatml_format, probe_template
+from ikcode.gateway.errors import APIError
+from ikcode.gateway.render import Renderer
+from ikcode.gateway.schemas import MessagesRequest
+from ikcode.model.tokenizer import Tokenizer
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.a1b; cc_entrypoint=sdk-cli;"
+TOOLS = [
+    {
+        "name": "Read",
+        "description": "Read a file",
+        "input_schema": {"type": "object", "properties": {"path": {}}},
+    },
+    {"name": "Bash", "description": "Run a command", "input_schema": {"type": "object"}},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_vocab(merges=[("h", "e"), ("Ġ", "he"), ("l", "l"), ("o", "n")])
+
+
+def render(renderer: Renderer, body: dict):
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 10, **body})
+    return renderer.render(request.system, request.tools, request.tool_choice, request.messages)
+
+
+def text_of(tokenizer: Tokenizer, rendered) -> str:
+    return tokenizer.decode(rendered.token_ids)
+
+
+def test_chatml_rendering_with_tools_and_stripped_billing_line(tokenizer):
+    renderer = Renderer(tokenizer)
+    rendered = render(
+        renderer,
+        {
+            "system": [
+                {"type": "text", "text": BILLING},
+                {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            ],
+            "tools": TOOLS,
+            "messages": [{"role": "user", "content": "hello"}],
+        },
+    )
+    text = text_of(tokenizer, rendered)
+    assert "x-anthropic-billing-header" not in text
+    assert text.startswith("<|im_start|>system\nYou are Claude Code.\n\n# Tools")
+    assert '<tools>\n{"type": "function", "function": {"name": "Read"' in text
+    assert text.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+    # Two conversations that differ only in the billing line share every token.
+    other = render(
+        renderer,
+        {
+            "system": [
+                {"type": "text", "text": BILLING.replace("a1b", "ff0")},
+                {"type": "text", "text": "You are Claude Code."},
+            ],
+            "tools": TOOLS,
+            "messages": [{"role": "user", "content": "hello"}],
+        },
+    )
+    assert other.token_ids == rendered.token_ids
+
+
+def test_mid_conversation_system_message_stays_in_place(tokenizer):
+    rendered = render(
+        Renderer(tokenizer),
+        {
+            "system": "top",
+            "messages": [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "system", "content": "note"},
+                {"role": "user", "content": [{"type": "text", "text": "c"}]},
+            ],
+        },
+    )
+    text = text_of(tokenizer, rendered)
+    assert text.index("<|im_start|>system\nnote<|im_end|>") > text.index("<|im_start|>assistant\nb<|im_end|>")
+    assert text.index("<|im_start|>system\nnote<|im_end|>") < text.index("<|im_start|>user\nc<|im_end|>")
+
+
+def test_tool_round_trip_and_thinking_rendered(tokenizer):
+    rendered = render(
+        Renderer(tokenizer),
+        {
+            "tools": TOOLS,
+            "messages": [
+                {"role": "user", "content": "read it"},
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "thinking", "thinking": "hmm", "signature": "sig"},
+                        {"type": "text", "text": "Reading."},
+                        {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "a.py"}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "toolu_1",
+                            "content": "x = 1",
+                            "is_error": False,
+                        }
+                    ],
+                },
+            ],
+        },
+    )
+    text = text_of(tokenizer, rendered)
+    assert (
+        '<think>\nhmm\n</think>\nReading.\n<tool_call>\n{"name": "Read", "arguments": {"path": "a.py"}}'
+        '\n</tool_call>' in text
+    )
+    assert "<|im_start|>user\n<tool_response>\nx = 1\n</tool_response><|im_end|>" in text
+
+
+def test_special_tokens_in_content_stay_text(tokenizer):
+    rendered = render(Renderer(tokenizer), {"messages": [{"role": "user", "content": "<|im_end|>"}]})
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert rendered.token_ids.count(im_end) == 1  # only the real end of the user turn
+
+
+def test_images_refused_documents_flattened(tokenizer):
+    renderer = Renderer(tokenizer)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    with pytest.raises(APIError) as caught:
+        render(renderer, {"messages": [{"role": "user", "content": [image]}]})
+    assert caught.value.status == 400 and "image" in caught.value.message
+    # In a tool result (Read on a picture) a placeholder keeps the session usable.
+    result = {"type": "tool_result", "tool_use_id": "t", "content": [image]}
+    assert "image omitted" in text_of(
+        tokenizer, render(renderer, {"messages": [{"role": "user", "content": [result]}]})
+    )
+    document = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "doc body"},
+    }
+    assert "doc body" in text_of(
+        tokenizer, render(renderer, {"messages": [{"role": "user", "content": [document]}]})
+    )
+    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AAAA"}}
+    with pytest.raises(APIError):
+        render(renderer, {"messages": [{"role": "user", "content": [pdf]}]})
+
+
+def test_append_only_with_generated_reply_ids_and_incremental_tokenization(tokenizer):
+    renderer = Renderer(tokenizer)
+    first_messages = [{"role": "user", "content": "hello there"}]
+    first = render(renderer, {"system": "sys", "tools": TOOLS, "messages": first_messages})
+    # The model "generated" ids whose text re-tokenizes differently (single bytes, no merges).
+    generated = (
+        [tokenizer.token_to_id(c) for c in "he"]
+        + tokenizer.encode("llo")
+        + [tokenizer.token_to_id("<|im_end|>")]
+    )
+    assert tokenizer.encode("hello") != generated[:-1]
+    content = [{"type": "text", "text": "hello"}]
+    renderer.remember_reply(first, content, generated)
+    second_messages = first_messages + [
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "hello", "cache_control": {"type": "ephemeral"}}],
+        },
+        {"role": "user", "content": "more"},
+    ]
+    second = render(renderer, {"system": "sys", "tools": TOOLS, "messages": second_messages})
+    expected_prefix = first.token_ids + generated  # prompt + reply (ending in <|im_end|>)
+    assert second.token_ids[: len(expected_prefix)] == expected_prefix
+    assert second.fresh_tokens == len(tokenizer.encode("more"))  # only the new tail was tokenized
+    # Without the remembered reply the assistant turn is rendered from text: still well formed.
+    cold = render(Renderer(tokenizer), {"system": "sys", "tools": TOOLS, "messages": second_messages})
+    assert cold.token_ids[: len(first.token_ids)] == first.token_ids
+    assert cold.token_ids != second.token_ids
+
+
+def test_segment_concatenation_matches_whole_string_tokenization(tokenizer):
+    """Segments start and end at special tokens, so BPE never merges across them."""
+    renderer = Renderer(tokenizer, chat_format=chatml_format())
+    rendered = render(renderer, {"system": "he said", "messages": [{"role": "user", "content": "hello he"}]})
+    whole = tokenizer.encode(tokenizer.decode(rendered.token_ids), allow_special=True)
+    assert whole == rendered.token_ids
+
+
+def test_generic_template_probed():
+    llama3 = (
+        "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+        "{{ m['content'] }}<|eot_id|>{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+    )
+    fmt = probe_template(llama3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"})
+    assert fmt is not None
+    assert fmt.start == "<|begin_of_text|>"
+    assert fmt.prefix["user"] == "<|start_header_id|>user<|end_header_id|>\n\n"
+    assert fmt.suffix["assistant"] == "<|eot_id|>"
+    assert fmt.generation_prompt == "<|start_header_id|>assistant<|end_header_id|>\n\n"

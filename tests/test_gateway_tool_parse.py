@@ -1,0 +1,105 @@
+"""Output parsing: tool calls as they stream, malformed JSON as text, stop sequences."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ikcode.gateway.reply_builder import ReplyBuilder, StopSequenceMatcher
+from ikcode.gateway.tool_parse import TextPiece, ToolCall, ToolCallParser
+from ikcode.model.tokenizer import Tokenizer
+
+CALL = '<tool_call>\n{"name": "Read", "arguments": {"path": "a.py"}}\n</tool_call>'
+
+
+def feed_chars(text: str) -> list[TextPiece | ToolCall]:
+    parser = ToolCallParser()
+    out = []
+    for ch in text:  # the worst case: one character per delta
+        out += parser.feed(ch)
+    return out + parser.finish()
+
+
+def texts(items) -> str:
+    return "".join(i.text for i in items if isinstance(i, TextPiece))
+
+
+def test_tool_call_split_across_deltas():
+    items = feed_chars("Let me look." + CALL)
+    calls = [i for i in items if isinstance(i, ToolCall)]
+    assert texts(items) == "Let me look."
+    assert len(calls) == 1 and calls[0].name == "Read" and calls[0].input == {"path": "a.py"}
+    assert calls[0].id.startswith("toolu_") and len(calls[0].id) > 20
+
+
+def test_several_calls_and_text_after():
+    items = feed_chars(CALL + "\n" + CALL.replace("a.py", "b.py") + " done")
+    assert [i.input["path"] for i in items if isinstance(i, ToolCall)] == ["a.py", "b.py"]
+    assert texts(items) == "\n done"
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '<tool_call>{"name": "Read", "arguments": {"path": </tool_call>',
+        "<tool_call>not json</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": "Read", "arguments": [1]}</tool_call>',
+        '<tool_call>{"name": "Read", "arguments": {"path": "a.py"',  # cut by max_tokens
+    ],
+)
+def test_malformed_calls_become_text(raw):
+    items = feed_chars(raw)
+    assert not any(isinstance(i, ToolCall) for i in items)
+    assert texts(items) == raw
+
+
+def test_unclosed_but_complete_call_at_end_counts():
+    items = feed_chars('<tool_call>\n{"name": "Bash", "arguments": "{\\"command\\": \\"ls\\"}"}\n')
+    calls = [i for i in items if isinstance(i, ToolCall)]
+    assert calls and calls[0].input == {"command": "ls"}
+
+
+def test_text_that_only_looks_like_a_tag_is_released():
+    assert texts(feed_chars("a <tool x> <tool_cal")) == "a <tool x> <tool_cal"
+
+
+def test_stop_sequence_matcher_spans_deltas():
+    matcher = StopSequenceMatcher(["STOP", "END"])
+    out = "".join(matcher.feed(c) for c in "abc ST") + matcher.feed("OP more")
+    assert out == "abc " and matcher.matched == "STOP"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_vocab()
+
+
+def test_reply_builder_events_for_text_then_tool(tokenizer):
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    builder = ReplyBuilder(tokenizer, (im_end,), [])
+    events = []
+    for token in tokenizer.encode("Sure. " + CALL) + [im_end]:
+        events += builder.push([token])
+    events += builder.finish()
+    kinds = [(e["type"], e.get("content_block", e.get("delta", {})).get("type")) for e in events]
+    assert kinds[0] == ("content_block_start", "text")
+    assert ("content_block_start", "tool_use") in kinds
+    tool_json = "".join(
+        e["delta"]["partial_json"] for e in events if e.get("delta", {}).get("type") == "input_json_delta"
+    )
+    assert json.loads(tool_json) == {"path": "a.py"}
+    assert kinds[-1] == ("content_block_stop", None)
+    assert builder.called_tool
+    assert builder.content[0] == {"type": "text", "text": "Sure. "}
+    assert builder.content[1]["name"] == "Read"
+
+
+def test_reply_builder_stop_sequence_and_multibyte(tokenizer):
+    builder = ReplyBuilder(tokenizer, (), ["##"])
+    for token in tokenizer.encode("héllo ✓ wörld ## rest"):
+        builder.push([token])
+    builder.finish()
+    assert builder.done and builder.stop_sequence == "##"
+    assert builder.content == [{"type": "text", "text": "héllo ✓ wörld "}]

@@ -52,6 +52,7 @@ def load(source: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
 def store(source: Path, state_dict: dict[str, torch.Tensor], meta: dict) -> Path | None:
     """Write an entry (replacing older entries of the same source path); None if the disk refused."""
     entry = entry_dir(source)
+    tmp: Path | None = None
     try:
         root = paths.ensure(entry.parent)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
@@ -62,8 +63,12 @@ def store(source: Path, state_dict: dict[str, torch.Tensor], meta: dict) -> Path
                 shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(tmp, entry)
+            tmp = None
         except OSError:  # another process stored the same entry first
-            shutil.rmtree(tmp, ignore_errors=True)
+            pass
     except OSError:
         return None
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return entry

@@ -1,0 +1,43 @@
+"""Settings of the embedded engine (one dataclass, no ceremony)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class EmbeddedEngineConfig:
+    kv_memory_bytes: int = 256 * 1024 * 1024  # device KV pool; the block count is derived from it
+    host_kv_memory_bytes: int = 0  # host tier for evicted blocks (0 = none)
+    block_size: int = 16
+    max_num_seqs: int = 8
+    max_prefill_tokens_per_step: int = 512  # chunked-prefill token budget per engine step
+    num_threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when present)
+    model_name: str | None = None  # served name; default: the ModelConfig's name
+    # Rows of the model's matmuls are grouped so that a token's numbers never depend on what else
+    # is in the batch: prompt rows in matmuls of a multiple of 4 rows, each decode row alone
+    # (see ikcode/model/llama.py). False: one matmul per step (more throughput with many
+    # concurrent decodes, but temperature-0 outputs may then differ in rare near-ties).
+    batch_invariant: bool = True
+    cache_policy: str = "lru"
+    # Test knobs reproducing engines that release a sequence after its final token.
+    release_lag_steps: int = 0  # release a finished sequence N engine steps after its final token
+    # "release": commit cache entries when the engine releases the sequence (correct).
+    # "final_token": the entry is finalised at the final token while the engine still holds the
+    # sequence, so nothing is left to commit at release: the published silent-miss bug.
+    commit_point: Literal["release", "final_token"] = "release"
+    idle_wait_s: float = 0.05  # how long the idle engine thread sleeps between inbox checks
+
+    def validate(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_prefill_tokens_per_step <= 0:
+            raise ValueError("max_prefill_tokens_per_step must be >= 1")
+        if self.release_lag_steps < 0:
+            raise ValueError("release_lag_steps must be >= 0")
+        if self.commit_point not in ("release", "final_token"):
+            raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")

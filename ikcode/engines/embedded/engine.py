@@ -1,0 +1,361 @@
+"""EmbeddedEngine: the Engine protocol over a PyTorch model, a paged KV pool and the prefix cache.
+
+One engine thread owns every model call and every cache mutation. `submit` validates on the
+caller's thread (typed errors with the numbers) and hands the sequence over through an inbox.
+Each step: schedule, one forward over the batch, sample, emit events, release what is due.
+
+Lifecycle: FINISHED (last token out) comes before RELEASED (blocks back to the cache, cache
+entries committed). `release_lag_steps` delays the release by N steps, as some engines do; the
+commit still happens at release, so repeats still hit. `commit_point="final_token"` reproduces the
+published bug (the entry is finalised at the final token, nothing is left to commit at release).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+
+import torch
+
+from ikcode.cache import PrefixCache, blocks_for_budget, hash_blocks, kv_bytes_per_block
+from ikcode.engines.base import (
+    CacheLookup,
+    EmptyPrompt,
+    EngineError,
+    EngineInfo,
+    EngineLoad,
+    EngineRequest,
+    EngineShutdown,
+    FinishReason,
+    LifecycleEvent,
+    LifecycleKind,
+    LifecycleListener,
+    PromptTooLong,
+    RequestStream,
+    TokenEvent,
+    TokenOutOfVocab,
+)
+from ikcode.engines.embedded.config import EmbeddedEngineConfig
+from ikcode.engines.embedded.model_runner import ModelRunner
+from ikcode.engines.embedded.sampler import sample
+from ikcode.engines.embedded.scheduler import Scheduler, committable_hashes
+from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
+from ikcode.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class EmbeddedEngine:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        config: EmbeddedEngineConfig | None = None,
+    ):
+        self.config = config = config or EmbeddedEngineConfig()
+        config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = mc = model_config
+        self.device = resolve_device(config.device)
+        bs = config.block_size
+        block_bytes = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, dtype_bytes=4)
+        self.num_blocks = blocks_for_budget(
+            bs, bytes_budget=config.kv_memory_bytes, bytes_per_block=block_bytes
+        )
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"kv_memory_bytes={config.kv_memory_bytes} holds {self.num_blocks} blocks of "
+                f"{block_bytes} bytes; at least 2 are needed"
+            )
+        num_host = (
+            blocks_for_budget(bs, bytes_budget=config.host_kv_memory_bytes, bytes_per_block=block_bytes)
+            if config.host_kv_memory_bytes
+            else 0
+        )
+        self.runner = ModelRunner(
+            mc, state_dict, self.num_blocks, num_host, bs, self.device, config.batch_invariant
+        )
+        self.cache = PrefixCache(
+            self.num_blocks,
+            bs,
+            num_host,
+            store=self.runner if num_host else None,
+            policy=config.cache_policy,
+            bytes_per_block=block_bytes,
+        )
+        self.scheduler = Scheduler(
+            self.cache, config.max_num_seqs, config.max_prefill_tokens_per_step, on_admit=self._on_admit
+        )
+        # A sequence must fit the pool on its own, or preemption could never make room for it.
+        self.context_window = min(mc.max_position_embeddings, self.num_blocks * bs)
+        self._info = EngineInfo(
+            model_name=config.model_name or mc.name,
+            context_window=self.context_window,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=tuple(mc.eos_token_ids),
+            block_size=bs,
+            kind="embedded",
+            device=str(self.device),
+        )
+        self._lock = threading.Lock()  # inbox, aborts, live sequences, cache reads from callers
+        self._wake = threading.Event()
+        self._inbox: deque[Sequence] = deque()
+        self._aborts: list[str] = []
+        self._live: dict[str, Sequence] = {}  # submitted and not yet released
+        self._pending_release: list[Sequence] = []
+        self._listeners: list[LifecycleListener] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._abort_all = False
+        self.steps = 0
+
+    # ---- Engine protocol ---------------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ikcode-embedded-engine", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        self._stopping = True
+        deadline = time.monotonic() + drain_timeout_s
+        while time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
+            with self._lock:
+                if not self._live:
+                    break
+            time.sleep(0.01)
+        self._abort_all = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        if self._stopping:
+            raise EngineShutdown()
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise EmptyPrompt()
+        max_prompt = self.context_window - 1  # room for at least one output token
+        if len(prompt) > max_prompt:
+            raise PromptTooLong(len(prompt), max_prompt)
+        vocab = self.model_config.vocab_size
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            pos = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
+            raise TokenOutOfVocab(prompt[pos], vocab, pos)
+        request.sampling.validate()
+        stream = RequestStream(request.request_id, on_abort=self.abort)
+        limit = min(self.context_window, len(prompt) + request.sampling.max_tokens)
+        seq = Sequence(request, stream, max_total_tokens=limit)
+        with self._lock:
+            if request.request_id in self._live:
+                raise EngineError(f"request id {request.request_id!r} is already in use")
+            self._live[request.request_id] = seq
+            self._inbox.append(seq)
+        self.start()
+        self._wake.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
+        bs = self.config.block_size
+        hashes = hash_blocks(prompt_token_ids, bs, cache_salt)
+        with self._lock:
+            m = self.cache.match(hashes)
+        device = min(m.device_blocks * bs, len(prompt_token_ids))
+        host = min(m.host_blocks * bs, len(prompt_token_ids) - device)
+        return CacheLookup(prompt_tokens=len(prompt_token_ids), device_tokens=device, host_tokens=host)
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            pool = self.cache.pool
+            cached = sum(1 for b in pool.index.values() if pool.refcount[b] == 0)
+            return EngineLoad(
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting) + len(self._inbox),
+                kv_blocks_total=self.num_blocks,
+                kv_blocks_used=self.num_blocks - self.cache.num_free_blocks(),
+                kv_blocks_cached=cached,
+                host_blocks_total=self.cache.num_host_blocks,
+                host_blocks_used=len(self.cache.host.index),
+            )
+
+    def add_listener(self, listener: LifecycleListener) -> None:
+        self._listeners.append(listener)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                new, self._inbox = list(self._inbox), deque()
+                aborts, self._aborts = self._aborts, []
+            for seq in new:
+                self.scheduler.add(seq)
+            for request_id in aborts:
+                self._abort_now(request_id)
+            if self._abort_all:
+                self._abort_everything()
+                return
+            if not self.scheduler.has_work() and not self._pending_release:
+                self._wake.wait(self.config.idle_wait_s)
+                self._wake.clear()
+                continue
+            try:
+                self._step()
+            except Exception as exc:  # never let the thread die: fail what was running
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self._fail(seq, exc)
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        self.steps += 1
+        with self._lock:
+            scheduled = self.scheduler.schedule()
+        if scheduled:
+            try:
+                logits, which = self.runner.run(scheduled)
+            except Exception as exc:
+                log.exception("forward failed for %d sequences", len(scheduled))
+                for item in scheduled:
+                    self._fail(item.seq, exc)
+            else:
+                for item in scheduled:
+                    item.seq.num_computed_tokens += item.num_tokens
+                for row, index in enumerate(which):
+                    seq = scheduled[index].seq
+                    try:
+                        self._append_token(seq, sample(logits[row], seq.request.sampling, seq.generator))
+                    except Exception as exc:
+                        self._fail(seq, exc)
+        self._release_due()
+
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        seq.token_ids.append(token)
+        now = time.monotonic()
+        stats = seq.stats
+        stats.output_tokens = seq.num_output_tokens
+        first = stats.first_token_at is None
+        if first:
+            stats.first_token_at = now
+            self._emit(LifecycleKind.FIRST_TOKEN, seq)
+        params = seq.request.sampling
+        reason = None
+        if (
+            token in self.model_config.eos_token_ids and not params.ignore_eos
+        ) or token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens or len(seq.token_ids) >= seq.max_total_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason, [token])
+        else:
+            seq.stream.put(
+                TokenEvent(seq.seq_id, [token], stats=dataclasses.replace(stats) if first else None)
+            )
+
+    def _finish(
+        self, seq: Sequence, reason: FinishReason, tokens: list[int], error: EngineError | None = None
+    ) -> None:
+        """Final event now; the blocks go back at release (now for errors and aborts)."""
+        was_running = seq.status is SequenceStatus.RUNNING
+        with self._lock:
+            self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stats.finished_at = time.monotonic()
+        seq.stats.output_tokens = seq.num_output_tokens
+        self._emit(LifecycleKind.FINISHED, seq)
+        seq.stream.put(
+            TokenEvent(
+                seq.seq_id,
+                tokens,
+                finished=True,
+                finish_reason=reason,
+                stats=dataclasses.replace(seq.stats),
+                error=error,
+            )
+        )
+        if not was_running:
+            self._forget(seq)  # never held blocks
+            return
+        if error is not None:
+            seq.drop_commit = True  # its K/V may be garbage: free without committing
+            self._release(seq)
+        elif reason is FinishReason.ABORT:
+            self._release(seq)
+        else:
+            if self.config.commit_point == "final_token":
+                seq.drop_commit = True  # the bug: entry finalised while the engine still holds seq
+            seq.release_at_step = self.steps + self.config.release_lag_steps
+            self._pending_release.append(seq)
+
+    def _release_due(self) -> None:
+        due = [s for s in self._pending_release if s.release_at_step <= self.steps]
+        if due:
+            self._pending_release = [s for s in self._pending_release if s.release_at_step > self.steps]
+            for seq in due:
+                self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        committed = [] if seq.drop_commit else committable_hashes(seq, self.config.block_size)
+        with self._lock:
+            self.cache.release(seq.seq_id, committed)
+        seq.block_table = []
+        seq.status = SequenceStatus.RELEASED
+        seq.stats.released_at = time.monotonic()
+        self._emit(LifecycleKind.RELEASED, seq)
+        self._forget(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        with self._lock:
+            if self._live.get(seq.seq_id) is seq:
+                del self._live[seq.seq_id]
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        if seq.status not in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+            return
+        error = exc if isinstance(exc, EngineError) else EngineError(f"internal engine error: {exc!r}")
+        self._finish(seq, FinishReason.ERROR, [], error)
+
+    def _abort_now(self, request_id: str) -> None:
+        with self._lock:
+            seq = self._live.get(request_id)
+        if seq is not None and seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+            self._finish(seq, FinishReason.ABORT, [])
+
+    def _abort_everything(self) -> None:
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(seq, FinishReason.ABORT, [], EngineShutdown())
+        for seq in list(self._pending_release):
+            self._release(seq)
+        self._pending_release = []
+
+    def _on_admit(self, seq: Sequence) -> None:
+        if seq.num_preemptions == 0:
+            self._emit(LifecycleKind.ADMITTED, seq)
+
+    def _emit(self, kind: LifecycleKind, seq: Sequence) -> None:
+        event = LifecycleEvent(kind, seq.seq_id, time.monotonic(), dataclasses.replace(seq.stats))
+        for listener in self._listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("lifecycle listener failed")

@@ -1,0 +1,124 @@
+"""Owns the model and the KV pool; turns a scheduled step into one forward and its logits.
+
+The pool is one preallocated tensor per K and V: [layers, num_blocks, block_size, kv_heads,
+head_dim]. It is also the cache's KVStore when a host tier is configured (block copies to and
+from a host tensor of the same layout).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ikcode.engines.embedded.scheduler import ScheduledSeq
+from ikcode.model.config import ModelConfig
+from ikcode.model.llama import ForwardBatch, LlamaModel, SeqAttention, padded_key_len, padded_query_rows
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        state_dict: dict[str, torch.Tensor],
+        num_blocks: int,
+        num_host_blocks: int,
+        block_size: int,
+        device: torch.device,
+        batch_invariant: bool,
+    ):
+        self.cfg = cfg
+        self.device = device
+        self.block_size = block_size
+        self.batch_invariant = batch_invariant
+        model = LlamaModel(cfg)
+        model.load_hf_state_dict(state_dict)
+        self.model = model.to(device).eval().requires_grad_(False)
+        shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_pool = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.v_pool = torch.zeros(shape, dtype=torch.float32, device=device)
+        host_shape = (cfg.num_layers, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        pin = device.type == "cuda"
+        self.k_host = (
+            torch.zeros(host_shape, dtype=torch.float32, pin_memory=pin) if num_host_blocks else None
+        )
+        self.v_host = (
+            torch.zeros(host_shape, dtype=torch.float32, pin_memory=pin) if num_host_blocks else None
+        )
+
+    # ---- KVStore ---------------------------------------------------------------------------
+    def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
+        assert self.k_host is not None and self.v_host is not None
+        dev = torch.tensor([d for d, _ in pairs], device=self.device)
+        host = torch.tensor([h for _, h in pairs])
+        self.k_host[:, host] = self.k_pool[:, dev].cpu()
+        self.v_host[:, host] = self.v_pool[:, dev].cpu()
+
+    def copy_host_to_device(self, pairs: list[tuple[int, int]]) -> None:
+        assert self.k_host is not None and self.v_host is not None
+        host = torch.tensor([h for h, _ in pairs])
+        dev = torch.tensor([d for _, d in pairs], device=self.device)
+        self.k_pool[:, dev] = self.k_host[:, host].to(self.device)
+        self.v_pool[:, dev] = self.v_host[:, host].to(self.device)
+
+    # ---- one step --------------------------------------------------------------------------
+    def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[int]]:
+        """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none)."""
+        bs = self.block_size
+        # Prompt (prefill) rows first, then decode rows, so prompt rows share one matmul.
+        prefill = [s for s in scheduled if not (self.batch_invariant and s.seq.is_decoding)]
+        decode = [s for s in scheduled if self.batch_invariant and s.seq.is_decoding]
+        ids: list[int] = []
+        pos: list[int] = []
+        write_rows: list[int] = []
+        write_slots: list[int] = []
+        seqs: list[SeqAttention] = []
+        sample_row: dict[int, int] = {}
+        groups: list[tuple[int, int]] = []
+
+        def add(item: ScheduledSeq) -> None:
+            seq, n = item.seq, item.num_tokens
+            start, row0 = seq.num_computed_tokens, len(ids)
+            ids.extend(seq.token_ids[start : start + n])
+            pos.extend(range(start, start + n))
+            for p in range(start, start + n):
+                write_rows.append(row0 + p - start)
+                write_slots.append(seq.block_table[p // bs] * bs + p % bs)
+            keys = start + n
+            kpad = padded_key_len(keys)
+            table = seq.block_table[: -(-keys // bs)]
+            table = table + [table[0]] * (kpad // bs - len(table))  # masked padding keys
+            qrows = padded_query_rows(n) if self.batch_invariant else n
+            q_pos = torch.arange(start, start + qrows).unsqueeze(1)
+            mask = torch.arange(kpad).unsqueeze(0) <= q_pos
+            mask[n:] = False
+            mask[n:, 0] = True  # padding queries attend to something: no NaN rows
+            seqs.append(
+                SeqAttention(row0, n, qrows, torch.tensor(table, device=self.device), mask.to(self.device))
+            )
+            if start + n == len(seq.token_ids):
+                sample_row[id(seq)] = row0 + n - 1
+
+        for item in prefill:
+            add(item)
+        if prefill:
+            if self.batch_invariant and len(ids) % 4:
+                pad = 4 - len(ids) % 4
+                ids.extend([0] * pad)
+                pos.extend([0] * pad)
+            groups.append((0, len(ids)))
+        for item in decode:
+            add(item)
+            groups.append((len(ids) - 1, len(ids)))
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        batch = ForwardBatch(t(ids), t(pos), t(write_rows), t(write_slots), seqs, groups)
+        return batch, [sample_row.get(id(s.seq), -1) for s in scheduled]
+
+    @torch.inference_mode()
+    def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
+        """Logits [n, vocab] (CPU) for the sequences that sample this step, and their indexes."""
+        batch, rows = self.build_batch(scheduled)
+        hidden = self.model(batch, self.k_pool, self.v_pool)
+        which = [i for i, r in enumerate(rows) if r >= 0]
+        if not which:
+            return torch.empty(0, self.cfg.vocab_size), []
+        picked = hidden[torch.tensor([rows[i] for i in which], device=self.device)]
+        return self.model.logits(picked, self.batch_invariant).float().cpu(), which

@@ -1,0 +1,68 @@
+"""One request inside the embedded engine: its tokens, its KV blocks and where it stands."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ikcode.engines.base import EngineRequest, FinishReason, RequestStats, RequestStream
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no blocks
+    RUNNING = "running"  # holds blocks; prefilling or decoding
+    FINISHED = "finished"  # last token out; may still hold blocks until released
+    RELEASED = "released"  # blocks given back to the cache
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: EngineRequest
+    stream: RequestStream
+    max_total_tokens: int  # prompt + output may not pass this (context window or max_tokens)
+    token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pool (valid)
+    block_table: list[int] = field(default_factory=list)
+    stats: RequestStats = field(default_factory=RequestStats)
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    release_at_step: int = 0
+    drop_commit: bool = False  # the entry was finalised early (commit_point="final_token")
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.request.prompt_token_ids)
+        self.stats.prompt_tokens = len(self.token_ids)
+        self.stats.queued_at = time.monotonic()
+        s = self.request.sampling
+        if s.temperature > 0:
+            self.generator = torch.Generator()
+            if s.seed is not None:
+                self.generator.manual_seed(s.seed)
+            else:
+                self.generator.seed()
+
+    @property
+    def seq_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        return self.num_pending_tokens == 1 and self.num_output_tokens > 0

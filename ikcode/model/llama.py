@@ -1,0 +1,220 @@
+"""The Llama / Qwen2 decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU, optional q/k/v bias) over a
+paged KV pool.
+
+One forward runs a flat batch of rows (tokens of several sequences). Each layer writes the new
+tokens' K/V into the pool by slot (block * block_size + offset) and attends per sequence over its
+blocks, gathered by block table. Attention is per sequence so one sequence's numbers never depend
+on another's.
+
+Batch invariance (temperature-0 determinism). CPU matmul kernels reduce in a different order for
+different shapes (here: 1-3 rows take a matrix-vector path; with several threads, row counts that
+are not a multiple of 4 split badly), and the SDPA kernel cuts queries and keys into shape-dependent
+tiles. A token therefore gets the same numbers whatever else is in the batch, and whether its prefix
+came from the cache or was computed, when:
+- prompt rows go through matmuls of a multiple of 4 rows (padding rows added by the caller) and
+  each decode row through its own one-row matmul (`RowGroups`);
+- attention sees keys padded to a multiple of KEY_TILE (one fixed key tiling; padding is masked)
+  and a query count whose last query tile is not a 1-3 row remainder (`padded_query_rows`).
+tests/test_engine_determinism.py checks the outcome token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ikcode.model.config import ModelConfig
+
+KEY_TILE = 512  # keys per SDPA key tile on CPU; padding keys to a multiple keeps the tiling fixed
+
+
+def padded_query_rows(num_queries: int) -> int:
+    """Query rows to give SDPA so that none of its query tiles is a 1-3 row remainder."""
+    rows = max(num_queries, 4)
+    while True:
+        tile = 256 if rows >= 768 else (64 if rows >= 192 else 32)
+        rem = rows % tile
+        if rem == 0 or rem >= 4:
+            return rows
+        rows += 4 - rem
+
+
+def padded_key_len(num_keys: int) -> int:
+    return -(-num_keys // KEY_TILE) * KEY_TILE
+
+
+@dataclass
+class SeqAttention:
+    """One sequence's share of a forward: its query rows and the keys it sees."""
+
+    row_start: int
+    num_rows: int  # real query rows (new tokens of this sequence in this step)
+    query_rows: int  # rows given to SDPA (>= num_rows)
+    block_ids: torch.Tensor  # long [padded_keys // block_size], padded with any valid block id
+    mask: torch.Tensor  # bool [query_rows, padded_keys]: True = may attend
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # long [rows]
+    positions: torch.Tensor  # long [rows]
+    write_rows: torch.Tensor  # long: rows whose K/V go to the pool (padding rows excluded)
+    write_slots: torch.Tensor  # long: flat pool slot of each of those rows
+    seqs: list[SeqAttention]
+    row_groups: list[tuple[int, int]]  # [start, end) row ranges, one matmul each
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: list[tuple[int, int]]
+) -> torch.Tensor:
+    if len(groups) == 1:
+        s, e = groups[0]
+        return F.linear(x[s:e] if (s, e) != (0, x.shape[0]) else x, weight, bias)
+    return torch.cat([F.linear(x[s:e], weight, bias) for s, e in groups])
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = q_out, kv_out
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # q, k, v (and gate, up) fused: one matmul instead of three (two).
+        self.qkv_weight = nn.Parameter(torch.empty(q_out + 2 * kv_out, cfg.hidden_size))
+        self.qkv_bias = nn.Parameter(torch.zeros(q_out + 2 * kv_out)) if cfg.attention_bias else None
+        self.o_weight = nn.Parameter(torch.empty(cfg.hidden_size, q_out))
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * cfg.intermediate_size, cfg.hidden_size))
+        self.down_weight = nn.Parameter(torch.empty(cfg.hidden_size, cfg.intermediate_size))
+
+    def attention(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        rows = x.shape[0]
+        qkv = grouped_linear(x, self.qkv_weight, self.qkv_bias, batch.row_groups)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(rows, self.num_heads, self.head_dim)
+        k = k.view(rows, self.num_kv_heads, self.head_dim)
+        v = v.view(rows, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_pool.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, batch.write_slots, k.index_select(0, batch.write_rows))
+        flat_v.index_copy_(0, batch.write_slots, v.index_select(0, batch.write_rows))
+        out = torch.empty(rows, self.q_size, dtype=x.dtype, device=x.device)
+        if rows > sum(s.num_rows for s in batch.seqs):
+            out.zero_()  # padding rows: keep them finite
+        for s in batch.seqs:
+            keys = s.block_ids.shape[0] * k_pool.shape[1]
+            kk = k_pool[s.block_ids].view(1, keys, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            vv = v_pool[s.block_ids].view(1, keys, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            qq = q[s.row_start : s.row_start + s.num_rows]
+            if s.query_rows > s.num_rows:
+                qq = F.pad(qq, (0, 0, 0, 0, 0, s.query_rows - s.num_rows))
+            o = F.scaled_dot_product_attention(
+                qq.transpose(0, 1).unsqueeze(0), kk, vv, attn_mask=s.mask, enable_gqa=True
+            )
+            out[s.row_start : s.row_start + s.num_rows] = (
+                o[0, :, : s.num_rows].transpose(0, 1).reshape(s.num_rows, self.q_size)
+            )
+        return grouped_linear(out, self.o_weight, None, batch.row_groups)
+
+    def mlp(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
+        gate, up = grouped_linear(x, self.gate_up_weight, None, groups).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_weight, None, groups)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.attention(self.input_layernorm(x), batch, cos, sin, k_pool, v_pool)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.row_groups)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings).float(), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos(), persistent=False)
+        self.register_buffer("rope_sin", emb.sin(), persistent=False)
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Take weights named as Hugging Face names them (q/k already in rotate-half order)."""
+        cfg = self.cfg
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(sd["model.embed_tokens.weight"])
+            self.norm.weight.copy_(sd["model.norm.weight"])
+            head = sd.get("lm_head.weight")
+            if head is None or cfg.tie_word_embeddings:
+                self.lm_head = self.embed_tokens.weight  # tied: one tensor, not a copy
+            else:
+                self.lm_head.copy_(head)
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = p + "self_attn."
+                layer.qkv_weight.copy_(torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"]))
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(torch.cat([sd[a + f"{n}_proj.bias"] for n in "qkv"]))
+                layer.o_weight.copy_(sd[a + "o_proj.weight"])
+                m = p + "mlp."
+                layer.gate_up_weight.copy_(torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]]))
+                layer.down_weight.copy_(sd[m + "down_proj.weight"])
+                layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"])
+                layer.post_attention_layernorm.weight.copy_(sd[p + "post_attention_layernorm.weight"])
+
+    def forward(self, batch: ForwardBatch, k_pools: torch.Tensor, v_pools: torch.Tensor) -> torch.Tensor:
+        """Hidden states [rows, hidden] after the last layer (before the final norm)."""
+        x = self.embed_tokens(batch.input_ids)
+        cos = self.rope_cos[batch.positions].unsqueeze(1)
+        sin = self.rope_sin[batch.positions].unsqueeze(1)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, batch, cos, sin, k_pools[i], v_pools[i])
+        return x
+
+    def logits(self, hidden_rows: torch.Tensor, invariant: bool) -> torch.Tensor:
+        """Logits of the selected rows; padded to a multiple of 4 rows when batch-invariant."""
+        n = hidden_rows.shape[0]
+        h = self.norm(hidden_rows)
+        if invariant and n % 4:
+            h = F.pad(h, (0, 0, 0, 4 - n % 4))
+        return F.linear(h, self.lm_head)[:n]

@@ -1,0 +1,75 @@
+"""A tiny random-initialised Llama/Qwen2 model for fast tests: ModelConfig + seeded state dict.
+
+2 layers, d_model 64, 4 heads / 2 KV heads (GQA), vocab 300, Hugging Face tensor names, fp32.
+Weights are scaled up a little so greedy decoding is not a flat, tie-ridden distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from ikcode.model.config import ModelConfig
+
+TINY_VOCAB = 300
+TINY_EOS = 2
+
+
+def tiny_config(architecture: str = "llama", tie: bool = False, **overrides) -> ModelConfig:
+    fields = dict(
+        architecture=architecture,
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=2048,
+        tie_word_embeddings=tie,
+        attention_bias=architecture == "qwen2",
+        bos_token_id=1,
+        eos_token_ids=(TINY_EOS,),
+        name=f"tiny-{architecture}",
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def tiny_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int, scale: float | None = None) -> torch.Tensor:
+        s = scale if scale is not None else shape[-1] ** -0.5
+        return torch.randn(*shape, generator=g) * s
+
+    d, inter = cfg.hidden_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    sd = {"model.embed_tokens.weight": w(cfg.vocab_size, d, scale=1.0), "model.norm.weight": 1 + 0.1 * w(d, scale=1)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        sd[p + "self_attn.q_proj.weight"] = w(q_out, d)
+        sd[p + "self_attn.k_proj.weight"] = w(kv_out, d)
+        sd[p + "self_attn.v_proj.weight"] = w(kv_out, d)
+        sd[p + "self_attn.o_proj.weight"] = w(d, q_out)
+        if cfg.attention_bias:
+            for n, size in (("q", q_out), ("k", kv_out), ("v", kv_out)):
+                sd[p + f"self_attn.{n}_proj.bias"] = 0.1 * w(size, scale=1)
+        sd[p + "mlp.gate_proj.weight"] = w(inter, d)
+        sd[p + "mlp.up_proj.weight"] = w(inter, d)
+        sd[p + "mlp.down_proj.weight"] = w(d, inter)
+        sd[p + "input_layernorm.weight"] = 1 + 0.1 * w(d, scale=1)
+        sd[p + "post_attention_layernorm.weight"] = 1 + 0.1 * w(d, scale=1)
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = w(cfg.vocab_size, d, scale=1.0)
+    return sd
+
+
+def tiny_engine(architecture: str = "llama", tie: bool = False, seed: int = 0, **config) -> EmbeddedEngine:
+    """A started-on-demand EmbeddedEngine over the tiny model, one torch thread, on CPU."""
+    cfg = tiny_config(architecture, tie)
+    defaults = dict(kv_memory_bytes=256 * 1024, num_threads=1, device="cpu", max_prefill_tokens_per_step=64)
+    defaults.update(config)
+    return EmbeddedEngine(cfg, tiny_state_dict(cfg, seed), EmbeddedEngineConfig(**defaults))

@@ -1,0 +1,257 @@
+"""The embedded engine vs Hugging Face transformers on the default model, same weights and threads.
+
+    .venv/bin/python bench/engine_vs_transformers.py [--threads 1,2] [--json OUT]
+
+For each thread count, side by side:
+- prefill tokens/s: a fresh random prompt (--prefill-tokens) to its first token;
+- decode tokens/s: greedy tokens after the first, from a short prompt (--decode-tokens);
+then, on the embedded engine only: time to first token of a --long-tokens prompt computed cold,
+and of the same prompt plus a --tail-tokens tail once the first request has been released
+(its prefix then comes from the cache).
+
+transformers runs `LlamaForCausalLM` over the very state dict the engine gets (load_model(None)):
+a bare forward with its KV cache and `logits_to_keep=1`, no generate() overhead, which is the most
+favourable reading of its speed. Numbers are medians of --repeats runs; the machine may be shared
+with other work, so compare numbers from the same run only. transformers (and accelerate) are
+bench dependencies, not runtime ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from ikcode.engines.base import EngineRequest, LifecycleKind, SamplingParams  # noqa: E402
+from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
+from ikcode.model.config import ModelConfig  # noqa: E402
+from ikcode.model.loader import LoadedModel, load_model  # noqa: E402
+
+FIRST_PLAIN_TOKEN = 17  # SmolLM2's 17 special tokens come first
+
+
+def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(FIRST_PLAIN_TOKEN, vocab) for _ in range(n)]
+
+
+# ---- embedded engine --------------------------------------------------------------------------
+class EngineBench:
+    def __init__(self, model: LoadedModel, threads: int, kv_bytes: int):
+        torch.set_num_threads(threads)  # before the engine thread starts: it inherits the count
+        self.engine = EmbeddedEngine(
+            model.config,
+            model.state_dict,
+            EmbeddedEngineConfig(kv_memory_bytes=kv_bytes, num_threads=threads, device="cpu"),
+        )
+        self._released: dict[str, threading.Event] = {}
+        self.engine_threads: list[int] = []
+        self.engine.add_listener(self._on_event)
+        self.engine.start()
+
+    def _on_event(self, event) -> None:
+        if event.kind is LifecycleKind.FIRST_TOKEN and not self.engine_threads:
+            self.engine_threads.append(torch.get_num_threads())  # as seen on the engine thread
+        if event.kind is LifecycleKind.RELEASED:
+            self._released.setdefault(event.request_id, threading.Event()).set()
+
+    def run(self, prompt: list[int], max_tokens: int, salt: str | None = None):
+        request_id = uuid.uuid4().hex
+        self._released.setdefault(request_id, threading.Event())
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        stream = self.engine.submit(
+            EngineRequest(request_id, prompt, sampling, cache_salt=salt if salt is not None else request_id)
+        )
+        tokens, final = stream.collect(timeout_s=900)
+        if final.error is not None:
+            raise RuntimeError(f"engine error: {final.error}")
+        self._released[request_id].wait(60)  # cache entries are committed at release
+        return tokens, final.stats
+
+    def prefill_tps(self, prompt: list[int]) -> float:
+        _, stats = self.run(prompt, max_tokens=1)
+        return len(prompt) / stats.ttft_s
+
+    def decode_tps(self, prompt: list[int], new_tokens: int) -> float:
+        tokens, stats = self.run(prompt, max_tokens=new_tokens + 1)
+        return (len(tokens) - 1) / (stats.finished_at - stats.first_token_at)
+
+    def close(self) -> None:
+        self.engine.shutdown(drain_timeout_s=5)
+
+
+# ---- transformers -----------------------------------------------------------------------------
+class TransformersBench:
+    def __init__(self, model: LoadedModel):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        c: ModelConfig = model.config
+        hf_config = LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads,
+            num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rope_theta=c.rope_theta,
+            rms_norm_eps=c.rms_norm_eps,
+            max_position_embeddings=c.max_position_embeddings,
+            tie_word_embeddings=c.tie_word_embeddings,
+            attention_bias=c.attention_bias,
+        )
+        self.model = LlamaForCausalLM(hf_config).eval()
+        missing, unexpected = self.model.load_state_dict(model.state_dict, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        self.model.tie_weights()
+        # transformers 5.x renamed `past_key_values` to `cache`; accept both.
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+
+    @torch.inference_mode()
+    def _prefill(self, prompt: list[int]):
+        out = self.model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].argmax(), _cache_of(out)
+
+    def prefill_tps(self, prompt: list[int]) -> float:
+        started = time.perf_counter()
+        self._prefill(prompt)
+        return len(prompt) / (time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def decode_tps(self, prompt: list[int], new_tokens: int) -> float:
+        token, past = self._prefill(prompt)
+        started = time.perf_counter()
+        for _ in range(new_tokens):
+            out = self.model(token.view(1, 1), use_cache=True, **{self._cache_arg: past})
+            token, past = out.logits[0, -1].argmax(), _cache_of(out)
+        return new_tokens / (time.perf_counter() - started)
+
+
+def _cache_of(out):
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+# ---- the run ----------------------------------------------------------------------------------
+def median_of(repeats: int, measure) -> float:
+    return statistics.median(measure() for _ in range(repeats))
+
+
+def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) -> dict:
+    vocab = model.config.vocab_size
+    kv_bytes = model.config.kv_bytes_per_token * (args.long_tokens + args.tail_tokens + 512)
+    row: dict = {"threads": threads}
+    engine = EngineBench(model, threads, kv_bytes)
+    try:
+        engine.run(random_prompt(rng, 64, vocab), max_tokens=4)  # warm-up
+        row["engine_prefill_tps"] = median_of(
+            args.repeats, lambda: engine.prefill_tps(random_prompt(rng, args.prefill_tokens, vocab))
+        )
+        row["engine_decode_tps"] = median_of(
+            args.repeats, lambda: engine.decode_tps(random_prompt(rng, 32, vocab), args.decode_tokens)
+        )
+        row["engine_thread_count_seen"] = engine.engine_threads[0] if engine.engine_threads else None
+        if not args.skip_ttft:
+            long_prompt = random_prompt(rng, args.long_tokens, vocab)
+            salt = uuid.uuid4().hex  # same namespace for both requests, fresh for this run
+            _, cold = engine.run(long_prompt, max_tokens=1, salt=salt)
+            tail = random_prompt(rng, args.tail_tokens, vocab)
+            _, warm = engine.run(long_prompt + tail, max_tokens=1, salt=salt)
+            row |= {
+                "cold_ttft_s": cold.ttft_s,
+                "cold_cached_tokens": cold.cached_tokens,
+                "warm_ttft_s": warm.ttft_s,
+                "warm_cached_tokens": warm.cached_tokens,
+                "warm_prompt_tokens": warm.prompt_tokens,
+                "warm_speedup": cold.ttft_s / warm.ttft_s,
+            }
+    finally:
+        engine.close()
+
+    if not args.skip_transformers:
+        torch.set_num_threads(threads)
+        hf = TransformersBench(model)
+        hf.prefill_tps(random_prompt(rng, 64, vocab))  # warm-up
+        row["hf_prefill_tps"] = median_of(
+            args.repeats, lambda: hf.prefill_tps(random_prompt(rng, args.prefill_tokens, vocab))
+        )
+        row["hf_decode_tps"] = median_of(
+            args.repeats, lambda: hf.decode_tps(random_prompt(rng, 32, vocab), args.decode_tokens)
+        )
+        del hf
+    return row
+
+
+def print_table(rows: list[dict], args) -> None:
+    def fmt(value, spec: str = ".1f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    print(f"\nprefill: {args.prefill_tokens}-token prompts; decode: {args.decode_tokens} tokens; "
+          f"median of {args.repeats}")  # fmt: skip
+    print(f"{'threads':>7} | {'prefill tok/s':>25} | {'decode tok/s':>25}")
+    print(f"{'':>7} | {'engine':>8} {'transf.':>8} {'ratio':>7} | {'engine':>8} {'transf.':>8} {'ratio':>7}")
+    for r in rows:
+        keys = ("engine_prefill_tps", "hf_prefill_tps", "engine_decode_tps", "hf_decode_tps")
+        ep, hp, ed, hd = (r.get(k) for k in keys)
+        pr = ep / hp if ep and hp else None
+        dr = ed / hd if ed and hd else None
+        print(f"{r['threads']:>7} | {fmt(ep):>8} {fmt(hp):>8} {fmt(pr, '.2f'):>7} | "
+              f"{fmt(ed):>8} {fmt(hd):>8} {fmt(dr, '.2f'):>7}")  # fmt: skip
+    if not args.skip_ttft:
+        print(f"\nembedded engine TTFT: {args.long_tokens}-token prompt cold, "
+              f"then the same + {args.tail_tokens} new tokens warm")  # fmt: skip
+        print(f"{'threads':>7} | {'cold s':>8} {'warm s':>8} {'speedup':>8} | {'warm cached/prompt':>20}")
+        for r in rows:
+            cached = f"{r['warm_cached_tokens']}/{r['warm_prompt_tokens']}"
+            print(f"{r['threads']:>7} | {r['cold_ttft_s']:>8.2f} {r['warm_ttft_s']:>8.3f} "
+                  f"{r['warm_speedup']:>7.1f}x | {cached:>20}")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
+    parser.add_argument("--model", default=None, help="model path (default: the default model)")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--long-tokens", type=int, default=6000)
+    parser.add_argument("--tail-tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-ttft", action="store_true")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+
+    rng = random.Random(args.seed)
+    model = load_model(args.model)
+    how = "weight cache hit" if model.from_cache else "dequantized"
+    print(f"model {model.config.name} from {model.source} ({how} in {model.load_seconds:.2f} s)")
+    rows = []
+    for threads in (int(t) for t in args.threads.split(",")):
+        print(f"threads={threads} ...", flush=True)
+        rows.append(bench_threads(model, threads, args, rng))
+    print_table(rows, args)
+    result = {
+        "model": model.config.name,
+        "torch": torch.__version__,
+        "settings": {k: v for k, v in vars(args).items() if k != "json_out"},
+        "rows": rows,
+    }
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""AdmissionConfig: every knob of the admission layer, each with a default that serves.
+
+The profile's `[admission]` table maps onto these fields one to one (`AdmissionConfig.from_dict`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+POLICIES = ("fifo", "ikcode")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    # "fifo": pass requests through in arrival order, no caps, no shedding (the baseline a plain
+    # engine gives). "ikcode": warm-first with aging, cold caps, a cold share, shedding.
+    policy: str = "ikcode"
+    # A request whose uncached tokens (after lookup; host-tier hits count as cached, since a
+    # reload over PCIe is 30-90x cheaper than recomputing) exceed this is cold.
+    cold_threshold_tokens: int = 32_768
+    # Cold prefills inside the engine at once. One or two keeps warm turns from queueing behind
+    # a wall of brand-new long conversations.
+    max_cold_prefills: int = 2
+    # Share of each step's prefill budget guaranteed to cold work while any is admitted, so a
+    # stream of warm turns can never starve a cold one (engines that let us plan the step).
+    cold_share: float = 0.25
+    share_window_s: float = 10.0  # the cold share is measured over about this much step time
+    # A cold request waiting this long ranks with the warm ones (aging: nothing starves).
+    aging_s: float = 20.0
+    # Shed a NEW session's cold request (529 + retry-after) when its predicted TTFT exceeds this.
+    ttft_bound_s: float = 15.0
+    shed: bool = True
+    max_retry_after_s: int = 60  # Claude Code honours retry-after up to 60 s
+    min_retry_after_s: int = 1
+    # Prior for the prefill rate (tokens/s of the whole server); refined online from completed
+    # prefills. 0 = no prior: nothing is shed until a few prefills were measured.
+    prefill_tokens_per_s: float = 0.0
+    rate_ema_alpha: float = 0.2
+    rate_min_tokens: int = 4096  # prefills smaller than this say little about the rate
+    # A session seen within this many seconds is "running": its cold steps (e.g. after an
+    # eviction) are never shed, only queued.
+    session_memory_s: float = 3600.0
+    # Hold requests in admission (instead of the engine's own queue) while the engine's device
+    # KV memory cannot take them; the order of admission then decides who gets memory.
+    memory_gate: bool = True
+    max_queue: int = 100_000  # beyond this even warm work is refused (EngineOverloaded)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"admission policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.max_cold_prefills < 1:
+            raise ValueError("max_cold_prefills must be >= 1 (cold work must always progress)")
+        if not (0.0 < self.cold_share <= 1.0):
+            raise ValueError(f"cold_share must be in (0, 1], got {self.cold_share}")
+        if not (1 <= self.max_retry_after_s <= 60):
+            raise ValueError("max_retry_after_s must be in [1, 60]: clients ignore longer waits")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None, **overrides: Any) -> AdmissionConfig:
+        """Build from a profile's [admission] table; unknown keys are an error that names them."""
+        data = dict(data or {})
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            names = ", ".join(sorted(known))
+            raise ValueError(f"unknown [admission] keys: {', '.join(unknown)}; known: {names}")
+        return cls(**data)

@@ -1,0 +1,191 @@
+"""AdmissionController: an Engine that wraps an Engine and decides when requests enter it.
+
+The gateway talks to it exactly as to any engine. submit() looks the prompt up in the engine's
+cache, classifies it, may shed it (EngineOverloaded: the gateway answers 529 + retry-after),
+and otherwise queues it; a dispatcher thread hands queued requests to the wrapped engine when
+the policy allows, and forwards the engine's events into the stream the caller already holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ikcode.engines.base import (
+    CacheLookup,
+    EmptyPrompt,
+    Engine,
+    EngineError,
+    EngineInfo,
+    EngineLoad,
+    EngineRequest,
+    EngineShutdown,
+    FinishReason,
+    LifecycleEvent,
+    LifecycleKind,
+    LifecycleListener,
+    RequestStream,
+    TokenEvent,
+)
+
+from .config import AdmissionConfig
+from .policy import AdmissionPolicy, Ticket
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        engine: Engine,
+        config: AdmissionConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.engine = engine
+        self.policy = AdmissionPolicy(config)
+        self.clock = clock
+        self._cv = threading.Condition()
+        self._streams: dict[str, RequestStream] = {}  # queued requests: the caller's stream
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        engine.add_listener(self._on_lifecycle)
+
+    # ---- Engine protocol ---------------------------------------------------------------------
+    @property
+    def info(self) -> EngineInfo:
+        return self.engine.info
+
+    def start(self) -> None:
+        self.engine.start()
+        with self._cv:
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._dispatch_loop, name="admission", daemon=True)
+                self._thread.start()
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> None:
+        with self._cv:
+            self._stopping = True
+            queued = list(self.policy.queue)
+            self.policy.queue.clear()
+            self._cv.notify_all()
+        for t in queued:
+            self._fail(t.request_id, EngineShutdown())
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.engine.shutdown(drain_timeout_s)
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        if self._stopping:
+            raise EngineShutdown()
+        if not request.prompt_token_ids:
+            raise EmptyPrompt()
+        request.sampling.validate()
+        lookup = self.engine.lookup(request.prompt_token_ids, request.cache_salt)
+        stream = RequestStream(request.request_id, on_abort=self.abort)
+        with self._cv:
+            now = self.clock()
+            ticket = self.policy.make_ticket(request.request_id, lookup, now, request.session_id, request)
+            self.policy.offer(ticket, now)  # may raise EngineOverloaded: nothing was queued
+            self._streams[request.request_id] = stream
+            self._cv.notify_all()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._cv:
+            ticket = self.policy.remove(request_id)
+        if ticket is not None:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.put(TokenEvent(request_id, [], finished=True, finish_reason=FinishReason.ABORT))
+            return
+        self.engine.abort(request_id)
+
+    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
+        return self.engine.lookup(prompt_token_ids, cache_salt)
+
+    def load(self) -> EngineLoad:
+        load = self.engine.load()
+        with self._cv:
+            load.waiting += len(self.policy.queue)
+        return load
+
+    def add_listener(self, listener: LifecycleListener) -> None:
+        self.engine.add_listener(listener)
+
+    # ---- admission stats (the gateway's /metrics and request log read these) ------------------
+    def stats(self) -> dict[str, Any]:
+        with self._cv:
+            return self.policy.stats()
+
+    def ticket_class(self, request_id: str) -> str | None:
+        with self._cv:
+            t = self.policy.inflight.get(request_id)
+        return t.cls.value if t else None
+
+    # ---- internals ---------------------------------------------------------------------------
+    def _fits(self, ticket: Ticket) -> bool:
+        load = self.engine.load()
+        if load.kv_blocks_total <= 0:
+            return True  # the engine does not say: let it queue
+        block = max(1, self.engine.info.block_size)
+        free = load.kv_blocks_total - load.kv_blocks_used
+        return -(-ticket.uncached_tokens // block) <= free or load.running == 0
+
+    def _dispatch_loop(self) -> None:
+        while True:
+            with self._cv:
+                if self._stopping:
+                    return
+                admitted = self.policy.admit(self.clock(), self._fits)
+                if not admitted:
+                    # Re-check now and then: aging and memory change without a notification.
+                    self._cv.wait(timeout=0.05)
+                    continue
+                streams = [self._streams.pop(t.request_id, None) for t in admitted]
+            for ticket, stream in zip(admitted, streams, strict=True):
+                if stream is not None:
+                    self._start(ticket, stream)
+
+    def _start(self, ticket: Ticket, outer: RequestStream) -> None:
+        request: EngineRequest = ticket.payload
+        try:
+            inner = self.engine.submit(request)
+        except EngineError as err:
+            with self._cv:
+                self.policy.on_done(request.request_id)
+            self._put_error(outer, err)
+            return
+        # The caller's abort now goes to the engine.
+        outer._on_abort = self.engine.abort  # noqa: SLF001 - the stream is ours to rewire
+        threading.Thread(target=self._forward, args=(inner, outer), daemon=True).start()
+
+    def _forward(self, inner: RequestStream, outer: RequestStream) -> None:
+        for event in inner:
+            outer.put(event)
+        with self._cv:
+            self.policy.on_done(inner.request_id)
+            self._cv.notify_all()
+
+    def _fail(self, request_id: str, err: EngineError) -> None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            self._put_error(stream, err)
+
+    @staticmethod
+    def _put_error(stream: RequestStream, err: EngineError) -> None:
+        stream.put(
+            TokenEvent(stream.request_id, [], finished=True, finish_reason=FinishReason.ERROR, error=err)
+        )
+
+    def _on_lifecycle(self, event: LifecycleEvent) -> None:
+        if event.kind is LifecycleKind.FIRST_TOKEN:
+            computed = event.stats.computed_tokens if event.stats else None
+            with self._cv:
+                self.policy.on_first_token(event.request_id, self.clock(), computed)
+                self._cv.notify_all()
+        elif event.kind in (LifecycleKind.FINISHED, LifecycleKind.RELEASED):
+            with self._cv:
+                self.policy.on_done(event.request_id)
+                self._cv.notify_all()

@@ -1,0 +1,256 @@
+"""AdmissionPolicy: the decision logic, shared by the live controller and the simulator.
+
+It holds no threads and reads no clock: every call is given `now`, so the same object runs
+behind the real gateway (wall clock) and inside the simulator (virtual clock).
+
+Decisions:
+  offer()        classify and predict TTFT at arrival; shed a NEW session's cold request whose
+                 predicted TTFT exceeds the bound (EngineOverloaded -> 529 + retry-after);
+                 a session is deferred at most once (its retry is queued).
+  admit()        which queued requests enter the engine now: warm first, aged cold ranked with
+                 warm, at most max_cold_prefills cold ones prefilling at once.
+  plan_prefill() how an engine that asks splits one step's prefill budget: warm tails first,
+                 cold work guaranteed cold_share of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from ikcode.engines.base import CacheLookup, EngineOverloaded
+
+from .config import AdmissionConfig
+from .rate import PrefillRateEstimator
+from .stats import ClassWaits
+
+
+class RequestClass(StrEnum):
+    WARM = "warm"
+    COLD = "cold"
+
+
+@dataclass
+class Ticket:
+    request_id: str
+    prompt_tokens: int
+    uncached_tokens: int  # tokens the engine must compute (host-tier hits count as cached)
+    arrived_at: float
+    cls: RequestClass
+    session_id: str | None = None
+    running_session: bool = False  # the session was served recently: never shed
+    predicted_ttft_s: float = 0.0
+    admitted_at: float | None = None
+    sharing: int = 1  # prefills in the engine when this one was admitted (rate estimate)
+    payload: Any = None  # what the caller needs to submit it (EngineRequest, simulated request)
+
+    def aged(self, now: float, aging_s: float) -> bool:
+        return self.cls is RequestClass.COLD and now - self.arrived_at >= aging_s
+
+
+class AdmissionPolicy:
+    def __init__(self, config: AdmissionConfig | None = None):
+        self.config = config or AdmissionConfig()
+        c = self.config
+        self.fifo = c.policy == "fifo"
+        self.rate = PrefillRateEstimator(c.prefill_tokens_per_s, c.rate_ema_alpha, c.rate_min_tokens)
+        self.queue: list[Ticket] = []  # waiting, arrival order
+        self.inflight: dict[str, Ticket] = {}  # admitted, first token not yet out
+        self.waits = {RequestClass.WARM: ClassWaits(), RequestClass.COLD: ClassWaits()}
+        self._sessions: dict[str, float] = {}  # session id -> last admitted (or deferred) at
+        self._step_s = 0.0  # decayed step time, all steps / steps that ran cold work
+        self._cold_step_s = 0.0
+
+    # ---- arrival -----------------------------------------------------------------------------
+    def classify(self, lookup: CacheLookup) -> RequestClass:
+        cold = lookup.uncached_tokens > self.config.cold_threshold_tokens
+        return RequestClass.COLD if cold else RequestClass.WARM
+
+    def make_ticket(
+        self,
+        request_id: str,
+        lookup: CacheLookup,
+        now: float,
+        session_id: str | None = None,
+        payload: Any = None,
+    ) -> Ticket:
+        seen = self._sessions.get(session_id) if session_id else None
+        running = seen is not None and now - seen <= self.config.session_memory_s
+        return Ticket(
+            request_id=request_id,
+            prompt_tokens=lookup.prompt_tokens,
+            uncached_tokens=lookup.uncached_tokens,
+            arrived_at=now,
+            cls=self.classify(lookup),
+            session_id=session_id,
+            running_session=running,
+            payload=payload,
+        )
+
+    def offer(self, ticket: Ticket, now: float) -> None:
+        """Queue a ticket, or raise EngineOverloaded (cold work of a new session only)."""
+        c = self.config
+        if len(self.queue) >= c.max_queue:
+            raise EngineOverloaded(f"admission queue full ({c.max_queue})", c.max_retry_after_s)
+        ticket.predicted_ttft_s = self.predict_ttft(ticket, now)
+        if (
+            not self.fifo
+            and c.shed
+            and ticket.cls is RequestClass.COLD
+            and not ticket.running_session
+            and self.rate.known
+            and ticket.predicted_ttft_s > c.ttft_bound_s
+        ):
+            self.waits[RequestClass.COLD].shed += 1
+            if ticket.session_id:
+                # Deferred once: its retry is queued, not shed again, so shedding spreads a
+                # burst of new sessions over time without ever failing one.
+                self._sessions[ticket.session_id] = now
+            excess = ticket.predicted_ttft_s - c.ttft_bound_s
+            retry = min(c.max_retry_after_s, max(c.min_retry_after_s, math.ceil(excess)))
+            raise EngineOverloaded(
+                f"predicted time to first token {ticket.predicted_ttft_s:.1f} s exceeds the "
+                f"{c.ttft_bound_s:.0f} s bound for new work; retry in {retry} s",
+                retry_after_s=retry,
+            )
+        self.queue.append(ticket)
+
+    def predict_ttft(self, ticket: Ticket, now: float) -> float:
+        """Work that must be computed before this ticket's first token, at the estimated rate.
+
+        Warm: its own tokens (it goes first). Cold (and fifo): everything cold ahead of it,
+        in the queue and still prefilling, plus its own tokens.
+        """
+        if not self.rate.known:
+            return 0.0
+        own = ticket.uncached_tokens
+        if ticket.cls is RequestClass.WARM and not self.fifo:
+            return self.rate.seconds_for(own)
+        ahead = 0.0
+        for t in self.inflight.values():
+            if self.fifo or t.cls is RequestClass.COLD:
+                done = (now - (t.admitted_at or now)) * self.rate.tokens_per_s / max(1, t.sharing)
+                ahead += max(0.0, t.uncached_tokens - done)
+        for t in self.queue:
+            if self.fifo or t.cls is RequestClass.COLD:
+                ahead += t.uncached_tokens
+        return self.rate.seconds_for(ahead + own)
+
+    # ---- admission ---------------------------------------------------------------------------
+    def admit(self, now: float, fits: Callable[[Ticket], bool] | None = None) -> list[Ticket]:
+        """Tickets to hand to the engine now, in the order to submit them.
+
+        fits(ticket): whether the engine can take it now (device memory); None = always.
+        """
+        if not self.queue:
+            return []
+        if self.fifo:
+            order = list(self.queue)
+        else:
+            aging = self.config.aging_s
+
+            def rank(t: Ticket) -> tuple[int, float]:
+                warmish = t.cls is RequestClass.WARM or t.aged(now, aging)
+                return (0 if warmish else 1, t.arrived_at)
+
+            order = sorted(self.queue, key=rank)
+        cold_running = sum(1 for t in self.inflight.values() if t.cls is RequestClass.COLD)
+        out: list[Ticket] = []
+        for t in order:
+            if not self.fifo and t.cls is RequestClass.COLD and cold_running >= self.config.max_cold_prefills:
+                continue  # the cap; aged cold still waits for a cold slot
+            if fits is not None and self.config.memory_gate and not fits(t):
+                break  # keep the order: whoever is first gets memory first
+            cold_running += t.cls is RequestClass.COLD
+            out.append(t)
+        if out:
+            taken = {id(t) for t in out}
+            self.queue = [t for t in self.queue if id(t) not in taken]
+            sharing = len(self.inflight) + len(out)
+            for t in out:
+                t.admitted_at = now
+                t.sharing = sharing
+                self.inflight[t.request_id] = t
+                self.waits[t.cls].record(now - t.arrived_at)
+                if t.session_id:
+                    self._sessions[t.session_id] = now
+        return out
+
+    def remove(self, request_id: str) -> Ticket | None:
+        """Take a queued ticket out (aborted before admission)."""
+        for i, t in enumerate(self.queue):
+            if t.request_id == request_id:
+                return self.queue.pop(i)
+        return None
+
+    # ---- progress ----------------------------------------------------------------------------
+    def on_first_token(self, request_id: str, now: float, computed_tokens: int | None = None) -> None:
+        t = self.inflight.pop(request_id, None)
+        if t is None or t.admitted_at is None:
+            return
+        tokens = t.uncached_tokens if computed_tokens is None else computed_tokens
+        self.rate.observe(tokens, now - t.admitted_at, t.sharing)
+
+    def on_done(self, request_id: str) -> None:
+        """Finished, aborted or failed: forget it if it never produced a first token."""
+        self.inflight.pop(request_id, None)
+
+    # ---- the engine step (engines that let admission plan it) ---------------------------------
+    def plan_prefill(self, budget: int, pending: list[tuple[Ticket, int]], now: float) -> list[int]:
+        """Tokens to prefill this step for each (ticket, remaining) in pending (admission order).
+
+        fifo: first come first served. ikcode: warm tails first; cold work gets
+        at least cold_share of step time (measured through on_step) and every step without warm.
+        """
+        grant = [0] * len(pending)
+        left = budget
+        if self.fifo:
+            for i, (_, remaining) in enumerate(pending):
+                if left <= 0:
+                    break
+                grant[i] = min(remaining, left)
+                left -= grant[i]
+            return grant
+        # Class only, no aging here: aging orders the admission queue; inside the engine the
+        # cold share is what guarantees a cold prefill progresses.
+        first = [t.cls is RequestClass.WARM for t, _ in pending]
+        warm = [i for i, is_warm in enumerate(first) if is_warm]
+        cold = [i for i, is_warm in enumerate(first) if not is_warm]
+        # Cold work is owed a step when its share of recent step time fell below cold_share.
+        owed = self._cold_step_s <= self.config.cold_share * self._step_s
+        reserved = int(budget * self.config.cold_share) if cold and owed else 0
+        warm_left = budget - reserved
+        for i in warm:
+            grant[i] = min(pending[i][1], warm_left)
+            warm_left -= grant[i]
+        # Steps with warm tails stay short (their length is what delays those first tokens),
+        # unless cold work is owed its share; steps without warm work are all cold's.
+        if any(grant[i] for i in warm) and not owed:
+            return grant
+        left = budget - sum(grant)
+        for i in cold:
+            grant[i] = min(pending[i][1], left)
+            left -= grant[i]
+        return grant
+
+    def on_step(self, seconds: float, ran_cold: bool) -> None:
+        """An engine that plans with plan_prefill reports each step (the cold share's clock)."""
+        decay = math.exp(-seconds / self.config.share_window_s)
+        self._step_s = self._step_s * decay + seconds
+        self._cold_step_s = self._cold_step_s * decay + (seconds if ran_cold else 0.0)
+
+    # ---- truth -------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        waiting = {cls: 0 for cls in RequestClass}
+        for t in self.queue:
+            waiting[t.cls] += 1
+        return {
+            "policy": self.config.policy,
+            "queue_wait": {cls.value: self.waits[cls].to_dict(waiting[cls]) for cls in RequestClass},
+            "inflight_prefills": len(self.inflight),
+            "inflight_cold_prefills": sum(1 for t in self.inflight.values() if t.cls is RequestClass.COLD),
+            "prefill_tokens_per_s": self.rate.tokens_per_s,
+        }

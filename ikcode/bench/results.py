@@ -1,0 +1,76 @@
+"""What one turn measured, and the summary of a run (the JSON report)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class TurnResult:
+    agent: int
+    conversation: int
+    step: int
+    sent_at: float  # first attempt, seconds since the run started
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None  # from the first attempt to the first content delta
+    finished_at: float | None = None
+    attempts: int = 1  # > 1: the turn was shed (529/429) and retried after retry-after
+    failed: bool = False
+    error: str = ""
+
+    @property
+    def cold(self) -> bool:
+        """A cold turn: less than half of its prompt came from the cache."""
+        return self.cached_tokens * 2 < self.prompt_tokens
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _ttft_block(values: list[float]) -> dict[str, float | int]:
+    return {
+        "n": len(values),
+        "p50": percentile(values, 50),
+        "p95": percentile(values, 95),
+        "p99": percentile(values, 99),
+        "mean": sum(values) / len(values) if values else 0.0,
+        "max": max(values) if values else 0.0,
+    }
+
+
+def summarize(turns: list[TurnResult], duration_s: float, config: dict[str, Any]) -> dict[str, Any]:
+    """The bench report: TTFT split warm/cold, failures, cache share, read rate, the config."""
+    ok = [t for t in turns if not t.failed and t.ttft_s is not None]
+    ttft = _ttft_block([t.ttft_s for t in ok if t.ttft_s is not None])
+    ttft["warm"] = _ttft_block([t.ttft_s for t in ok if not t.cold and t.ttft_s is not None])
+    ttft["cold"] = _ttft_block([t.ttft_s for t in ok if t.cold and t.ttft_s is not None])
+    prompt = sum(t.prompt_tokens for t in ok)
+    cached = sum(t.cached_tokens for t in ok)
+    within = sum(1 for t in ok if t.ttft_s is not None and t.ttft_s <= 15.0)
+    return {
+        "config": config,
+        "requests": len(turns),
+        "completed": len(ok),
+        "failed": sum(1 for t in turns if t.failed),
+        "shed_retries": sum(t.attempts - 1 for t in turns),
+        "ttft": ttft,
+        "share_within_15s": within / len(ok) if ok else 0.0,
+        "cached_token_share": cached / prompt if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "computed_tokens": prompt - cached,
+        "output_tokens": sum(t.output_tokens for t in ok),
+        "duration_s": duration_s,
+        "read_tokens_per_s": prompt / duration_s if duration_s > 0 else 0.0,
+        "computed_tokens_per_s": (prompt - cached) / duration_s if duration_s > 0 else 0.0,
+    }

@@ -47,7 +47,10 @@ def tiny_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
 
     d, inter = cfg.hidden_size, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    sd = {"model.embed_tokens.weight": w(cfg.vocab_size, d, scale=1.0), "model.norm.weight": 1 + 0.1 * w(d, scale=1)}
+    sd = {
+        "model.embed_tokens.weight": w(cfg.vocab_size, d, scale=1.0),
+        "model.norm.weight": 1 + 0.1 * w(d, scale=1),
+    }
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         sd[p + "self_attn.q_proj.weight"] = w(q_out, d)
@@ -73,3 +76,22 @@ def tiny_engine(architecture: str = "llama", tie: bool = False, seed: int = 0, *
     defaults = dict(kv_memory_bytes=256 * 1024, num_threads=1, device="cpu", max_prefill_tokens_per_step=64)
     defaults.update(config)
     return EmbeddedEngine(cfg, tiny_state_dict(cfg, seed), EmbeddedEngineConfig(**defaults))
+
+
+def wait_idle(engine: EmbeddedEngine, timeout_s: float = 10.0) -> None:
+    """Wait until every request has been released (release lag included)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not engine.idle():
+        if time.monotonic() > deadline:
+            raise TimeoutError("engine did not become idle")
+        time.sleep(0.002)
+
+
+def assert_pool_clean(engine: EmbeddedEngine) -> None:
+    """Every device block is free or evictable again, and the cache's books agree."""
+    wait_idle(engine)
+    engine.cache.check_invariants()
+    assert engine.cache.num_free_blocks() == engine.num_blocks
+    assert engine.load().kv_blocks_used == 0

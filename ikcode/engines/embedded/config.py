@@ -28,6 +28,7 @@ class EmbeddedEngineConfig:
     # "final_token": the entry is finalised at the final token while the engine still holds the
     # sequence, so nothing is left to commit at release: the published silent-miss bug.
     commit_point: Literal["release", "final_token"] = "release"
+    autostart: bool = True  # submit() starts the engine thread (tests turn it off to batch requests)
     idle_wait_s: float = 0.05  # how long the idle engine thread sleeps between inbox checks
 
     def validate(self) -> None:

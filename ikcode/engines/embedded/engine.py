@@ -118,6 +118,7 @@ class EmbeddedEngine:
         self._stopping = False
         self._abort_all = False
         self.steps = 0
+        self.max_batch_seqs = 0  # most sequences run in one step so far (tests, diagnostics)
 
     # ---- Engine protocol ---------------------------------------------------------------------
     @property
@@ -165,7 +166,8 @@ class EmbeddedEngine:
                 raise EngineError(f"request id {request.request_id!r} is already in use")
             self._live[request.request_id] = seq
             self._inbox.append(seq)
-        self.start()
+        if self.config.autostart:
+            self.start()
         self._wake.set()
         return stream
 
@@ -196,6 +198,11 @@ class EmbeddedEngine:
                 host_blocks_total=self.cache.num_host_blocks,
                 host_blocks_used=len(self.cache.host.index),
             )
+
+    def idle(self) -> bool:
+        """No request queued, running, or finished but not yet released."""
+        with self._lock:
+            return not self._live
 
     def add_listener(self, listener: LifecycleListener) -> None:
         self._listeners.append(listener)
@@ -230,6 +237,7 @@ class EmbeddedEngine:
         with self._lock:
             scheduled = self.scheduler.schedule()
         if scheduled:
+            self.max_batch_seqs = max(self.max_batch_seqs, len(scheduled))
             try:
                 logits, which = self.runner.run(scheduled)
             except Exception as exc:

@@ -1,0 +1,126 @@
+"""Temperature 0 gives the same tokens whatever else is in the batch and wherever the prefix came
+from (cache or computed), on the tiny model with chunked prefill."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ikcode.engines.base import EngineRequest, LifecycleKind, SamplingParams
+from ikcode.engines.embedded import EmbeddedEngine
+from tests.tiny_model import assert_pool_clean, tiny_engine
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def record_kv(engine: EmbeddedEngine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """K/V of every valid token of each finished request, taken before its blocks go back.
+
+    Stronger than comparing tokens: equal tokens could hide last-bit differences, equal K/V cannot.
+    """
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    runner, bs = engine.runner, engine.config.block_size
+
+    def on_event(event) -> None:
+        if event.kind is LifecycleKind.FINISHED and event.stats.output_tokens > 0:
+            table = torch.tensor(engine.cache.block_table(event.request_id))
+            valid = event.stats.prompt_tokens + event.stats.output_tokens - 1
+            k = runner.k_pool[:, table].flatten(1, 2)[:, :valid].clone()
+            v = runner.v_pool[:, table].flatten(1, 2)[:, :valid].clone()
+            seen[event.request_id] = (k, v)
+            assert valid <= len(table) * bs
+
+    engine.add_listener(on_event)
+    return seen
+
+
+def _same_kv(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def test_batched_equals_one_at_a_time():
+    rng = random.Random(1)
+    prompts = [_prompt(rng, rng.randrange(5, 150)) for _ in range(8)]
+    alone = tiny_engine()
+    kv_alone = record_kv(alone)
+    expected = [alone.submit(EngineRequest(f"a{i}", p, GREEDY)).collect(30)[0] for i, p in enumerate(prompts)]
+    alone.shutdown()
+
+    batched = tiny_engine(
+        autostart=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20
+    )
+    kv_batched = record_kv(batched)
+    streams = [batched.submit(EngineRequest(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts)]
+    batched.start()
+    got = [s.collect(30)[0] for s in streams]
+    assert batched.max_batch_seqs >= 4  # they really ran together
+    assert got == expected
+    for i in range(len(prompts)):
+        assert _same_kv(kv_alone[f"a{i}"], kv_batched[f"b{i}"]), f"request {i}: K/V differ in the last bits"
+    assert_pool_clean(batched)
+    batched.shutdown()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_cached_prefix_equals_cold(architecture: str):
+    rng = random.Random(7 if architecture == "llama" else 8)
+    engine = tiny_engine(architecture, autostart=False, kv_memory_bytes=1024 * 1024, max_num_seqs=6)
+    kv = record_kv(engine)
+    engine.start()
+    warm_hits = 0
+    for trial in range(25):
+        prompt = _prompt(rng, rng.randrange(20, 300))
+        split = rng.randrange(1, len(prompt))
+        engine.config.max_prefill_tokens_per_step = rng.choice([16, 37, 64, 512])
+        # Cold: a salt nobody else uses, so nothing is served from the cache.
+        cold, _ = engine.submit(
+            EngineRequest(f"cold{trial}", prompt, GREEDY, cache_salt=f"c{trial}")
+        ).collect(30)
+        # Seed the cache with the prefix (plus a different tail), then ask for the prompt with
+        # unrelated requests in the same batch.
+        seed = prompt[:split] + _prompt(rng, rng.randrange(0, 20))
+        engine.submit(EngineRequest(f"seed{trial}", seed, SamplingParams(max_tokens=3))).collect(30)
+        assert_pool_clean(engine)
+        others = [
+            engine.submit(EngineRequest(f"o{trial}.{j}", _prompt(rng, rng.randrange(1, 120)), GREEDY))
+            for j in range(rng.randrange(0, 3))
+        ]
+        stream = engine.submit(EngineRequest(f"warm{trial}", prompt, GREEDY))
+        warm, final = stream.collect(30)
+        for o in others:
+            o.collect(30)
+        assert final.stats.cached_tokens_device == (split // 16) * 16 or split >= len(prompt) - 1
+        warm_hits += final.stats.cached_tokens_device > 0
+        assert warm == cold, f"trial {trial}: split {split} of {len(prompt)}"
+        assert _same_kv(kv[f"warm{trial}"], kv[f"cold{trial}"]), f"trial {trial}: K/V differ in the last bits"
+    assert warm_hits >= 15
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    rng = random.Random(3)
+    prompt = _prompt(rng, 40)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
+    engine = tiny_engine()
+    first, _ = engine.submit(EngineRequest("s1", prompt, params)).collect(30)
+    noise = engine.submit(EngineRequest("noise", _prompt(rng, 80), params))
+    second, _ = engine.submit(EngineRequest("s2", prompt, params)).collect(30)
+    noise.collect(30)
+    other, _ = engine.submit(
+        EngineRequest("s3", prompt, SamplingParams(**{**params.__dict__, "seed": 99}))
+    ).collect(30)
+    assert first == second
+    assert other != first
+    engine.shutdown()

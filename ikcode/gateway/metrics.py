@@ -41,7 +41,10 @@ class _LiveCollector(Collector):
                 f"ikcode_engine_{name}", f"engine {name.replace('_', ' ')}", value=getattr(load, name)
             )
         stats: dict[str, Any] = {}
+        # An engine may expose its cache counters: `cache_stats()` or a `cache.snapshot()`.
         cache_stats = getattr(self.engine, "cache_stats", None)
+        if not callable(cache_stats):
+            cache_stats = getattr(getattr(self.engine, "cache", None), "snapshot", None)
         if callable(cache_stats):
             try:
                 stats.update({f"cache_{k}": v for k, v in dict(cache_stats()).items()})

@@ -66,15 +66,20 @@ class Scheduler:
             if not self._grow(seq):
                 continue  # seq itself was preempted
             out.append(ScheduledSeq(seq, 1))
+        # Prefills already under way keep at most half the budget while others wait, so a long
+        # prompt in progress never shuts out a short one (it finishes within a few steps).
         budget = self.max_prefill_tokens
+        can_admit = self.waiting and len(self.running) < self.max_num_seqs
+        continuing = budget - budget // 2 if can_admit else budget
         for seq in self.running:
-            if budget <= 0:
+            if continuing <= 0:
                 break
             if seq.status is SequenceStatus.RUNNING and not seq.is_decoding and seq.num_pending_tokens > 0:
-                n = min(seq.num_pending_tokens, budget)
+                n = min(seq.num_pending_tokens, continuing)
                 if self._grow(seq, n):
                     out.append(ScheduledSeq(seq, n))
                     budget -= n
+                    continuing -= n
         while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._admit(seq):

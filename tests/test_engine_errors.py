@@ -1,0 +1,135 @@
+"""Bad input is refused with typed errors and numbers; aborts and failures end the request, free its
+blocks, and the engine keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ikcode.engines.embedded.engine as engine_module
+from ikcode.engines.base import (
+    EmptyPrompt,
+    EngineError,
+    EngineRequest,
+    EngineShutdown,
+    FinishReason,
+    InvalidSampling,
+    PromptTooLong,
+    SamplingParams,
+    TokenOutOfVocab,
+)
+from tests.tiny_model import TINY_VOCAB, assert_pool_clean, tiny_engine
+
+OK = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def engine():
+    e = tiny_engine(kv_memory_bytes=1 << 20)
+    yield e
+    e.shutdown(drain_timeout_s=5)
+
+
+def _serves(engine) -> None:
+    tokens, final = engine.submit(EngineRequest(f"ok{engine.steps}", [5, 6, 7], OK)).collect(30)
+    assert len(tokens) == 4 and final.error is None
+    assert_pool_clean(engine)
+
+
+def test_bad_input_is_typed_with_numbers(engine):
+    window = engine.info.context_window
+    with pytest.raises(PromptTooLong) as too_long:
+        engine.submit(EngineRequest("long", [5] * (window + 10), OK))
+    assert too_long.value.prompt_tokens == window + 10 and too_long.value.max_tokens == window - 1
+    assert "prompt is too long" in str(too_long.value)
+    with pytest.raises(EmptyPrompt):
+        engine.submit(EngineRequest("empty", [], OK))
+    with pytest.raises(TokenOutOfVocab) as oov:
+        engine.submit(EngineRequest("oov", [5, 6, TINY_VOCAB + 3, 7], OK))
+    assert (oov.value.token_id, oov.value.vocab_size, oov.value.position) == (TINY_VOCAB + 3, TINY_VOCAB, 2)
+    with pytest.raises(TokenOutOfVocab):
+        engine.submit(EngineRequest("neg", [-1], OK))
+    with pytest.raises(InvalidSampling):
+        engine.submit(EngineRequest("zero", [5], SamplingParams(max_tokens=0)))
+    with pytest.raises(InvalidSampling):
+        engine.submit(EngineRequest("topp", [5], SamplingParams(top_p=0.0)))
+    _serves(engine)
+
+
+def test_duplicate_request_id_is_refused(engine):
+    engine.submit(EngineRequest("dup", [5] * 50, SamplingParams(max_tokens=200, ignore_eos=True)))
+    with pytest.raises(EngineError):
+        engine.submit(EngineRequest("dup", [5], OK))
+    engine.abort("dup")
+    _serves(engine)
+
+
+def test_abort_waiting_and_running():
+    engine = tiny_engine(autostart=False, kv_memory_bytes=1 << 20)
+    waiting = engine.submit(EngineRequest("w", [5] * 20, OK))
+    waiting.abort()
+    engine.start()
+    tokens, final = waiting.collect(10)
+    assert final.finish_reason is FinishReason.ABORT and tokens == []
+
+    running = engine.submit(EngineRequest("r", [6] * 300, SamplingParams(max_tokens=100000, ignore_eos=True)))
+    first = next(iter(running))
+    assert first.token_ids
+    running.abort()
+    _, final = running.collect(10)
+    assert final.finish_reason is FinishReason.ABORT
+    engine.abort("r")  # after the end: a no-op
+    engine.abort("nobody")
+    _serves(engine)
+    engine.shutdown()
+
+
+def test_forward_failure_fails_only_that_step_and_frees_blocks(engine, monkeypatch):
+    real_run = engine.runner.run
+    calls = {"n": 0}
+
+    def flaky(scheduled):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("simulated kernel failure")
+        return real_run(scheduled)
+
+    monkeypatch.setattr(engine.runner, "run", flaky)
+    tokens, final = engine.submit(EngineRequest("boom", [5] * 40, SamplingParams(max_tokens=50))).collect(30)
+    assert final.finish_reason is FinishReason.ERROR and isinstance(final.error, EngineError)
+    assert "simulated kernel failure" in str(final.error)
+    _serves(engine)
+
+
+def test_sampling_failure_fails_only_that_request(engine, monkeypatch):
+    real_sample = engine_module.sample
+
+    def picky(logits, params, generator):
+        if params.seed == 666:
+            raise ValueError("bad sampler state")
+        return real_sample(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", picky)
+    bad = engine.submit(EngineRequest("bad", [5] * 30, SamplingParams(max_tokens=5, seed=666)))
+    good = engine.submit(EngineRequest("good", [6] * 30, OK))
+    assert bad.collect(30)[1].finish_reason is FinishReason.ERROR
+    tokens, final = good.collect(30)
+    assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 4
+    _serves(engine)
+
+
+def test_shutdown_drains_then_refuses():
+    engine = tiny_engine(kv_memory_bytes=1 << 20)
+    stream = engine.submit(EngineRequest("d", [5] * 30, OK))
+    engine.shutdown(drain_timeout_s=10)
+    tokens, final = stream.collect(5)
+    assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 4
+    with pytest.raises(EngineShutdown):
+        engine.submit(EngineRequest("late", [5], OK))
+    engine.cache.check_invariants()
+    assert engine.cache.num_free_blocks() == engine.num_blocks

@@ -1,0 +1,118 @@
+"""Cache commit on release (with release lag), the final-token bug reproduced, pool accounting,
+chunked prefill interleaving, back-pressure and preemption."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from ikcode.engines.base import EngineRequest, FinishReason, LifecycleKind, SamplingParams
+from tests.tiny_model import assert_pool_clean, tiny_engine
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def _repeat_hit_rate(engine, prompt: list[int]) -> float:
+    released = threading.Event()
+    engine.add_listener(lambda e: released.set() if e.kind is LifecycleKind.RELEASED else None)
+    engine.submit(EngineRequest("first", prompt, SamplingParams(max_tokens=4))).collect(30)
+    assert released.wait(10)  # the next turn comes after the engine let go of the first
+    _, final = engine.submit(
+        EngineRequest("again", prompt + [5, 6, 7], SamplingParams(max_tokens=4))
+    ).collect(30)
+    return final.stats.cached_tokens / final.stats.prompt_tokens
+
+
+@pytest.mark.parametrize("lag", [0, 1, 2, 3])
+def test_release_lag_still_hits(lag: int):
+    engine = tiny_engine(release_lag_steps=lag, kv_memory_bytes=1 << 20)
+    events = []
+    engine.add_listener(lambda e: events.append(e.kind))
+    assert _repeat_hit_rate(engine, _prompt(lag, 400)) >= 0.95
+    assert events[:4] == [
+        LifecycleKind.ADMITTED,
+        LifecycleKind.FIRST_TOKEN,
+        LifecycleKind.FINISHED,
+        LifecycleKind.RELEASED,
+    ]
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("lag", [0, 2])
+def test_commit_at_final_token_reproduces_the_silent_miss(lag: int):
+    engine = tiny_engine(release_lag_steps=lag, commit_point="final_token", kv_memory_bytes=1 << 20)
+    assert _repeat_hit_rate(engine, _prompt(10 + lag, 400)) == 0.0
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+def test_lookup_is_side_effect_free_and_matches_admission():
+    engine = tiny_engine(kv_memory_bytes=1 << 20)
+    prompt = _prompt(1, 200)
+    assert engine.lookup(prompt).cached_tokens == 0
+    engine.submit(EngineRequest("a", prompt, SamplingParams(max_tokens=2))).collect(30)
+    assert_pool_clean(engine)
+    before = engine.cache.stats.query_tokens
+    look = engine.lookup(prompt + [9] * 30)
+    assert look.device_tokens == 192 and look.uncached_tokens == 230 - 192
+    assert engine.lookup(prompt, cache_salt="other user").cached_tokens == 0
+    assert engine.cache.stats.query_tokens == before
+    _, final = engine.submit(EngineRequest("b", prompt + [9] * 30, SamplingParams(max_tokens=2))).collect(30)
+    assert final.stats.cached_tokens_device == 192
+    assert final.stats.computed_tokens == 230 - 192
+    engine.shutdown()
+
+
+def test_chunked_prefill_lets_a_short_request_finish_first():
+    engine = tiny_engine(autostart=False, kv_memory_bytes=1 << 20, max_prefill_tokens_per_step=32)
+    long = engine.submit(EngineRequest("long", _prompt(2, 1000), SamplingParams(max_tokens=2)))
+    short = engine.submit(
+        EngineRequest("short", _prompt(3, 10), SamplingParams(max_tokens=3, ignore_eos=True))
+    )
+    engine.start()
+    _, s_final = short.collect(30)
+    _, l_final = long.collect(30)
+    assert s_final.stats.finished_at < l_final.stats.first_token_at
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+def test_back_pressure_and_preemption_never_leak():
+    # 12 blocks = 192 tokens: four requests cannot all hold their blocks at once.
+    engine = tiny_engine(autostart=False, kv_memory_bytes=12 * 8192, max_num_seqs=4)
+    assert engine.num_blocks == 12
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    streams = [engine.submit(EngineRequest(f"r{i}", _prompt(20 + i, 50), params)) for i in range(4)]
+    engine.start()
+    for s in streams:
+        tokens, final = s.collect(60)
+        assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 60
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+def test_stop_tokens_and_eos():
+    engine = tiny_engine()
+    prompt = _prompt(4, 30)
+    free, _ = engine.submit(
+        EngineRequest("free", prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    ).collect(30)
+    stop_at = free[3]
+    tokens, final = engine.submit(
+        EngineRequest("stop", prompt, SamplingParams(max_tokens=10, stop_token_ids=(stop_at,)))
+    ).collect(30)
+    assert tokens == free[: free.index(stop_at) + 1] and final.finish_reason is FinishReason.STOP
+    assert final.stats.output_tokens == len(tokens)
+    engine.shutdown()

@@ -95,7 +95,7 @@ def run_simulation(
         while events and events[0][0] <= server.now:
             at, _, turn, result = heapq.heappop(events)
             send(at, turn, result)
-        if progress is not None and server.now - last_report >= 30.0:
+        if progress is not None and server.now - last_report >= 120.0:
             last_report = server.now
             progress(server.now, sum(1 for r in results if r.finished_at is not None))
 

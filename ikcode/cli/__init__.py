@@ -14,6 +14,8 @@ from ikcode import __version__
 
 # command name -> "module:attribute"
 COMMANDS: dict[str, str] = {
+    "bench": "ikcode.cli.bench:bench_command",
+    "plan": "ikcode.cli.plan:plan_command",
     "env": "ikcode.cli.launch:env_command",
     "settings": "ikcode.cli.launch:settings_command",
     "claude": "ikcode.cli.launch:claude_command",

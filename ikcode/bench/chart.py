@@ -1,0 +1,36 @@
+"""The bench chart: p50 and p95 time to first token side by side, warm vs cold, per policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def write_chart(reports: list[dict[str, Any]], path: str | Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    classes = ("warm", "cold", "all")
+    colors = {"warm": "#2a9d8f", "cold": "#e76f51", "all": "#6c757d"}
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=False)
+    width = 0.8 / len(classes)
+    for ax, pct in zip(axes, ("p50", "p95"), strict=True):
+        for k, cls in enumerate(classes):
+            xs = [i + (k - 1) * width for i in range(len(reports))]
+            ys = [(r["ttft"] if cls == "all" else r["ttft"][cls])[pct] for r in reports]
+            bars = ax.bar(xs, ys, width, label=cls, color=colors[cls])
+            ax.bar_label(bars, labels=[f"{y:.1f}" for y in ys], fontsize=8, padding=2)
+        ax.set_xticks(range(len(reports)), [str(r["config"].get("policy", "?")) for r in reports])
+        ax.set_title(f"{pct} time to first token")
+        ax.set_ylabel("seconds")
+        if pct == "p95":
+            ax.axhline(15.0, color="black", linestyle="--", linewidth=0.8)
+            ax.text(ax.get_xlim()[1], 15.0, " 15 s", va="bottom", ha="right", fontsize=8)
+    axes[0].legend(title="turns")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(str(path), dpi=110)
+    plt.close(fig)

@@ -1,0 +1,59 @@
+"""Printing the bench report (rich table) and writing it (JSON)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+def print_reports(reports: list[dict[str, Any]], console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title="ikcode bench: time to first token (s)")
+    for col in ("policy", "turns", "class", "n", "p50", "p95", "p99"):
+        table.add_column(col, justify="right" if col not in ("policy", "class") else "left")
+    for r in reports:
+        policy = str(r["config"].get("policy", "-"))
+        for cls in ("all", "warm", "cold"):
+            block = r["ttft"] if cls == "all" else r["ttft"][cls]
+            table.add_row(
+                policy if cls == "all" else "",
+                str(r["requests"]) if cls == "all" else "",
+                cls,
+                str(block["n"]),
+                f"{block['p50']:.2f}",
+                f"{block['p95']:.2f}",
+                f"{block['p99']:.2f}",
+            )
+    console.print(table)
+    summary = Table(title="load and cache")
+    cols = ("policy", "failed", "shed+retried", "within 15 s", "from cache", "read tok/s", "computed tok/s")
+    for col in cols:
+        summary.add_column(col, justify="right")
+    for r in reports:
+        summary.add_row(
+            str(r["config"].get("policy", "-")),
+            str(r["failed"]),
+            str(r["shed_retries"]),
+            f"{r['share_within_15s']:.1%}",
+            f"{r['cached_token_share']:.1%}",
+            f"{r['read_tokens_per_s']:,.0f}",
+            f"{r['computed_tokens_per_s']:,.0f}",
+        )
+    console.print(summary)
+    for r in reports:
+        if "no_cache_read_tokens_per_s" in r:
+            console.print(
+                f"[dim]{r['config'].get('policy')}: no-cache read rate of this hardware "
+                f"{r['no_cache_read_tokens_per_s']:,.0f} tokens/s; simulated in "
+                f"{r['simulator']['wall_s']:.1f} s[/dim]"
+            )
+
+
+def write_json(reports: list[dict[str, Any]], path: str | Path) -> None:
+    """One policy: the report itself. Several: {"runs": [report, ...]} in the order given."""
+    data: dict[str, Any] = reports[0] if len(reports) == 1 else {"runs": reports}
+    Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")

@@ -1,0 +1,188 @@
+"""`ikcode bench`: synthetic coding agents, live against an endpoint or simulated on a profile."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+
+@click.command("bench")
+@click.option(
+    "--simulate", is_flag=True, help="Run against the profile's simulated hardware, not a live endpoint."
+)
+@click.option("--profile", "profile_name", default=None, help="Profile name or TOML path.")
+@click.option("--agents", type=int, default=None, help="Agents (default: 100 simulated, 4 live).")
+@click.option(
+    "--context",
+    "context_tokens",
+    type=int,
+    default=None,
+    help="Tokens of a conversation's first turn (default: 450000 simulated, 2000 live).",
+)
+@click.option(
+    "--policy",
+    "policies",
+    multiple=True,
+    type=click.Choice(["fifo", "ikcode"]),
+    help="Admission policy (simulated); repeat to compare side by side.",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--duration", "duration_s", type=float, default=None, help="No new turns after this many seconds."
+)
+@click.option(
+    "--ramp", "ramp_s", type=float, default=None, help="Agents start at random over this many seconds."
+)
+@click.option("--tokens-per-step", type=int, default=None, help="Median tokens appended per step.")
+@click.option("--output-tokens", type=int, default=None, help="Median output tokens per turn.")
+@click.option("--tool-pause", "tool_pause_s", type=float, default=None, help="Median tool pause (s).")
+@click.option("--steps-per-conversation", type=int, default=None, help="Turns before a fresh conversation.")
+@click.option("--max-cold-prefills", type=int, default=None, help="Admission knob override.")
+@click.option("--cold-share", type=float, default=None, help="Admission knob override.")
+@click.option("--ttft-bound", "ttft_bound_s", type=float, default=None, help="Admission knob override (s).")
+@click.option("--aging", "aging_s", type=float, default=None, help="Admission knob override (s).")
+@click.option("--no-shed", is_flag=True, help="Never shed cold work (admission knob).")
+@click.option("--base-url", default=None, help="Live endpoint root (default: the profile's).")
+@click.option("--token", default=None, help="Bearer token / API key for the live endpoint.")
+@click.option("--model", default="default", show_default=True, help="Model name sent to the live endpoint.")
+@click.option(
+    "--trace",
+    "trace_path",
+    default=None,
+    type=click.Path(exists=True, dir_okay=False),
+    help="Replay a Mooncake-format trace through the profile's cache tiers instead.",
+)
+@click.option(
+    "--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the JSON report."
+)
+@click.option(
+    "--chart", "chart_path", default=None, type=click.Path(dir_okay=False), help="Write a PNG chart."
+)
+def bench_command(**opts: Any) -> None:
+    """Synthetic coding agents: TTFT p50/p95/p99 warm vs cold, failures, cache share, read rate."""
+    from rich.console import Console
+
+    from ikcode.admission import AdmissionConfig
+    from ikcode.bench.chart import write_chart
+    from ikcode.bench.report import print_reports, write_json
+    from ikcode.bench.workload import AgentsWorkload
+    from ikcode.engines.simulated import HardwareModel
+    from ikcode.profiles import ProfileError, load_profile
+
+    console = Console(stderr=True)
+    simulate = opts["simulate"]
+    try:
+        profile = load_profile(
+            opts["profile_name"] or ("deepinfer-4xb200" if simulate or opts["trace_path"] else None)
+        )
+    except ProfileError as err:
+        raise click.ClickException(str(err)) from None
+
+    if opts["trace_path"]:
+        _replay(profile, opts["trace_path"], opts["json_path"])
+        return
+
+    live_defaults = {
+        "agents": 4,
+        "context_tokens": 2000,
+        "tokens_per_step": 200,
+        "output_tokens": 16,
+        "tool_pause_s": 0.5,
+        "duration_s": 120.0,
+        "ramp_s": 5.0,
+        "steps_per_conversation": 8,
+    }
+    fields: dict[str, Any] = {} if simulate else dict(live_defaults)
+    for key in (
+        "agents",
+        "context_tokens",
+        "tokens_per_step",
+        "output_tokens",
+        "tool_pause_s",
+        "duration_s",
+        "ramp_s",
+        "steps_per_conversation",
+    ):
+        if opts[key] is not None:
+            fields[key] = opts[key]
+    workload = AgentsWorkload(seed=opts["seed"], **fields)
+
+    def progress(t: float, done: int) -> None:
+        console.print(f"[dim]  t={t:7.0f} s  turns done {done}[/dim]")
+
+    reports: list[dict[str, Any]] = []
+    if simulate:
+        from ikcode.bench.simulate import run_simulation
+
+        try:
+            hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
+            block = int(profile.cache.get("simulate_block_size", 2048))
+            cache_policy = str(profile.cache.get("policy", "lru"))
+            for policy in opts["policies"] or ("fifo", "ikcode"):
+                admission = AdmissionConfig.from_dict(
+                    profile.admission,
+                    policy=policy,
+                    max_cold_prefills=opts["max_cold_prefills"],
+                    cold_share=opts["cold_share"],
+                    ttft_bound_s=opts["ttft_bound_s"],
+                    aging_s=opts["aging_s"],
+                    shed=False if opts["no_shed"] else None,
+                )
+                console.print(
+                    f"simulating {workload.agents} agents x {workload.context_tokens:,} tokens, "
+                    f"policy {policy}, {workload.duration_s:.0f} s ..."
+                )
+                reports.append(run_simulation(hw, admission, workload, block, cache_policy, progress))
+        except ValueError as err:
+            raise click.ClickException(str(err)) from None
+    else:
+        from ikcode.bench.live import run_live
+
+        base_url = opts["base_url"] or profile.base_url
+        token = opts["token"] or _profile_token(profile)
+        console.print(
+            f"live: {workload.agents} agents x {workload.context_tokens:,} tokens against {base_url} ..."
+        )
+        report = run_live(base_url, token, workload, opts["model"], progress=progress)
+        report["config"]["policy"] = "live"
+        reports.append(report)
+
+    print_reports(reports, Console())
+    if opts["json_path"]:
+        write_json(reports, opts["json_path"])
+    if opts["chart_path"]:
+        title = f"{workload.agents} agents x {workload.context_tokens // 1000}K tokens ({profile.name})"
+        write_chart(reports, opts["chart_path"], title)
+    if any(r["failed"] for r in reports):
+        sys.exit(1)
+
+
+def _profile_token(profile: Any) -> str | None:
+    from pathlib import Path
+
+    from ikcode import auth
+
+    path = Path(profile.auth.token_file).expanduser() if profile.auth.token_file else auth.token_path()
+    try:
+        return path.read_text(encoding="utf-8").strip() or None
+    except OSError:  # no token yet: the endpoint may not need one
+        return None
+
+
+def _replay(profile: Any, path: str, json_path: str | None) -> None:
+    from ikcode.cache.trace_replay import format_table, replay_trace
+
+    hw = profile.hardware
+    result = replay_trace(
+        path,
+        device_tokens=int(hw.get("device_tier_tokens", 57_000_000)),
+        host_tokens=int(hw.get("host_tier_tokens", 0)),
+        policy=str(profile.cache.get("policy", "lru")),
+    )
+    click.echo(format_table([result]))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, default=str)

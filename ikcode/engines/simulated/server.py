@@ -80,6 +80,7 @@ class SimulatedServer:
         self._decode_ctx = 0
         self._seq = 0
         self._pcie_free_at = 0.0
+        self._promised = 0  # blocks of requests admitted but not yet allocated
         self._dirty = True  # something changed that may let admission or allocation proceed
         self.steps = 0
         self.busy_s = 0.0
@@ -111,11 +112,18 @@ class SimulatedServer:
         req: SimRequest = ticket.payload
         if self.running + len(self.engine_queue) >= self.hw.max_num_seqs:
             return False
-        hit = self.cache.match(req.keys(req.prompt_tokens // self.bs)).device_blocks
-        return self._blocks_needed(req) - hit <= self.cache.num_free_blocks()
+        # Device hits count too: an unreferenced cached block is "free or evictable" until this
+        # request pins it, so only the whole table is a safe test. Tickets approved earlier in
+        # the same admission round have not allocated yet: count them.
+        need = self._blocks_needed(req)
+        if need + self._promised > self.cache.num_free_blocks():
+            return False
+        self._promised += need
+        return True
 
     def _admit(self) -> None:
         fits = None if self.policy.fifo else self._fits
+        self._promised = sum(self._blocks_needed(r) for r in self.engine_queue)
         for ticket in self.policy.admit(self.now, fits):
             req: SimRequest = ticket.payload
             req.admitted_at = self.now

@@ -202,3 +202,18 @@ def test_generic_template_probed():
     assert fmt.prefix["user"] == "<|start_header_id|>user<|end_header_id|>\n\n"
     assert fmt.suffix["assistant"] == "<|eot_id|>"
     assert fmt.generation_prompt == "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+@pytest.mark.parametrize("salt", ["", "alice"])
+def test_incremental_block_hashes_equal_full_hashing(tokenizer, salt):
+    from ikcode.cache import hash_blocks
+    from ikcode.gateway.block_hashes import IncrementalBlockHasher
+
+    renderer, hasher = Renderer(tokenizer), IncrementalBlockHasher(block_size=4)
+    messages = [{"role": "user", "content": "hello there, the first question"}]
+    first = render(renderer, {"system": "sys", "messages": messages})
+    assert hasher.hashes(first, salt) == hash_blocks(first.token_ids, 4, salt)
+    messages += [{"role": "assistant", "content": "an answer"}, {"role": "user", "content": "and then?"}]
+    second = render(renderer, {"system": "sys", "messages": messages})
+    assert hasher.hashes(second, salt) == hash_blocks(second.token_ids, 4, salt)
+    assert hasher.resumed_blocks == first.boundaries[-1][1] // 4  # up to the end of the last message

@@ -73,8 +73,9 @@ def _render(gw: Gateway, body: MessagesRequest | CountTokensRequest) -> Rendered
 
 def _render_and_lookup(gw: Gateway, body: MessagesRequest, salt: str) -> tuple[RenderedPrompt, CacheLookup]:
     rendered = _render(gw, body)
-    if len(rendered.token_ids) >= gw.context_window:
-        return rendered, CacheLookup(len(rendered.token_ids))
+    n = len(rendered.token_ids)
+    if n >= gw.context_window or n > gw.settings.predict_usage_max_tokens:
+        return rendered, CacheLookup(n)
     return rendered, gw.engine.lookup(rendered.token_ids, salt)
 
 

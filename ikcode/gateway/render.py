@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
 
@@ -50,6 +50,9 @@ class RenderedPrompt:
     reply_prefix_key: bytes | None  # chain digest before the reply; None for a prefill
     fresh_tokens: int  # tokens tokenized by this render (the rest came from the store)
     segments: int
+    # (chain digest, token count) after each segment: equal digests mean equal token prefixes,
+    # which lets block hashing resume where an earlier prompt of the conversation ended.
+    boundaries: list[tuple[bytes, int]] = field(default_factory=list)
 
 
 def system_text(system: str | list[Any] | None) -> str:
@@ -151,6 +154,7 @@ class Renderer:
             raise invalid_request("messages: at least one message is required")
         ids: list[int] = list(self._start_ids)
         chain, fresh, count = _ROOT, 0, 0
+        boundaries: list[tuple[bytes, int]] = []
         sys_text = system_text(system)
         tools_text = tools_section(tools or [], tool_choice)
         if tools_text:
@@ -160,6 +164,7 @@ class Renderer:
             seg, n = self._segment("system", key, lambda: sys_text)
             ids.extend(seg)
             chain, fresh, count = _chain(chain, key), fresh + n, count + 1
+            boundaries.append((chain, len(ids)))
         turns = _merge_assistant_turns(messages)
         prefill = False
         for index, (role, content) in enumerate(turns):
@@ -180,9 +185,11 @@ class Renderer:
                 seg, n = self._segment(role, key, lambda t=text: t)
             ids.extend(seg)
             chain, fresh, count = _chain(chain, key), fresh + n, count + 1
+            if not (prefill and last):
+                boundaries.append((chain, len(ids)))
         if not prefill:
             ids.extend(self._gen_ids)
-        return RenderedPrompt(ids, None if prefill else chain, fresh, count)
+        return RenderedPrompt(ids, None if prefill else chain, fresh, count, boundaries)
 
     def remember_reply(self, rendered: RenderedPrompt, content: list[Any], generated_ids: list[int]) -> None:
         """Keep the reply's generated ids for when the client sends this turn back."""

@@ -24,6 +24,9 @@ class GatewaySettings:
     max_concurrent_requests: int | None = None  # beyond it: 429 with retry-after
     default_temperature: float = 1.0  # the Messages API default
     cache_salt_per_user: bool = False  # isolate each auth token's cache entries
+    # message_start carries the engine's cache prediction (engine.lookup hashes the whole prompt)
+    # up to this prompt size; above it only the final message_delta usage has the cache figures.
+    predict_usage_max_tokens: int = 32_768
 
     def accepts(self, model: str) -> bool:
         return model == self.served_model or model in self.model_aliases

@@ -219,19 +219,18 @@ class AdmissionPolicy:
         first = [t.cls is RequestClass.WARM for t, _ in pending]
         warm = [i for i, is_warm in enumerate(first) if is_warm]
         cold = [i for i, is_warm in enumerate(first) if not is_warm]
-        # Cold work is owed a step when its share of recent step time fell below cold_share.
-        owed = self._cold_step_s <= self.config.cold_share * self._step_s
-        reserved = int(budget * self.config.cold_share) if cold and owed else 0
-        warm_left = budget - reserved
-        for i in warm:
-            grant[i] = min(pending[i][1], warm_left)
-            warm_left -= grant[i]
-        # Steps with warm tails stay short (their length is what delays those first tokens),
-        # unless cold work is owed its share; steps without warm work are all cold's.
-        if any(grant[i] for i in warm) and not owed:
-            return grant
-        left = budget - sum(grant)
-        for i in cold:
+        # Cold work is owed a step when its share of recent step time fell below cold_share:
+        # such a step is cold's first (warm tails get what is left). Other steps are warm's
+        # first, and cold only runs in them when no warm tail is waiting: a step's length is
+        # what delays the warm first tokens in it.
+        owed = bool(cold) and self._cold_step_s <= self.config.cold_share * self._step_s
+        order = cold + warm if owed else warm + cold
+        left = budget
+        for i in order:
+            if left <= 0:
+                break
+            if not owed and i in cold and any(grant[j] for j in warm):
+                break
             grant[i] = min(pending[i][1], left)
             left -= grant[i]
         return grant

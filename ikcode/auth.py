@@ -55,3 +55,42 @@ def tokens_equal(given: str, expected: str) -> bool:
 
 def redact(token: str) -> str:
     return token[:5] + "…" if len(token) > 8 else "…"
+
+
+# -- named tokens for a team server: one per user, revocable -----------------------------------
+def team_tokens_path() -> Path:
+    return paths.state_dir() / "tokens.json"
+
+
+def team_tokens() -> dict[str, str]:
+    path = team_tokens_path()
+    if not path.is_file():
+        return {}
+    import json
+
+    data = json.loads(path.read_text(encoding="utf-8") or "{}")
+    return {str(name): str(token) for name, token in data.items()}
+
+
+def _save_team_tokens(tokens: dict[str, str]) -> None:
+    import json
+
+    _write_private(team_tokens_path(), json.dumps(tokens, indent=2) + "\n")
+
+
+def add_team_token(name: str) -> str:
+    if not name or name == "launcher":
+        raise ValueError("a token name must be non-empty and not 'launcher'")
+    tokens = team_tokens()
+    tokens[name] = TOKEN_PREFIX + secrets.token_urlsafe(32)
+    _save_team_tokens(tokens)
+    return tokens[name]
+
+
+def revoke_team_token(name: str) -> bool:
+    tokens = team_tokens()
+    if name not in tokens:
+        return False
+    del tokens[name]
+    _save_team_tokens(tokens)
+    return True

@@ -21,6 +21,10 @@ COMMANDS: dict[str, str] = {
     "claude": "ikcode.cli.launch:claude_command",
     "profiles": "ikcode.cli.launch:profiles_command",
     "token": "ikcode.cli.launch:token_command",
+    "up": "ikcode.cli.serve:up_command",
+    "down": "ikcode.cli.serve:down_command",
+    "status": "ikcode.cli.serve:status_command",
+    "logs": "ikcode.cli.serve:logs_command",
 }
 
 

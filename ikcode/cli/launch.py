@@ -106,6 +106,14 @@ def claude_command(
 ) -> None:
     """Run Claude Code against the served model: ikcode claude [OPTIONS] -- [CLAUDE ARGS]"""
     profile = resolve_profile(profile_ref)
+    if base_url is None and profile.engine != "upstream":
+        from ikcode.cli.serve import ensure_stack
+        from ikcode.daemon import DaemonError
+
+        try:
+            base_url = ensure_stack(profile)
+        except DaemonError as err:
+            raise click.ClickException(str(err)) from None
     try:
         plan = plan_launch(profile, list(claude_args), base_url, use_default_args=not no_default_args)
     except LauncherError as err:
@@ -128,8 +136,31 @@ def profiles_command() -> None:
 
 @click.command("token")
 @click.option("--show", is_flag=True, help="Print the token itself (careful: it is a secret).")
-@click.option("--rotate", is_flag=True, help="Replace the token with a new one.")
-def token_command(show: bool, rotate: bool) -> None:
-    """Where the launcher's bearer token lives (created on first use, mode 0600)."""
+@click.option("--rotate", is_flag=True, help="Replace the launcher's token with a new one.")
+@click.option("--add", "add_name", metavar="NAME", help="Add a named token for a team member (printed once).")
+@click.option("--revoke", "revoke_name", metavar="NAME", help="Revoke a named token.")
+@click.option("--list", "list_names", is_flag=True, help="List the named tokens.")
+def token_command(
+    show: bool, rotate: bool, add_name: str | None, revoke_name: str | None, list_names: bool
+) -> None:
+    """The bearer tokens the server accepts: the launcher's (mode 0600) and named team tokens.
+
+    The server reads them at start: restart it (`ikcode down && ikcode up`) after a change.
+    """
+    if add_name:
+        try:
+            click.echo(auth.add_team_token(add_name))
+        except ValueError as err:
+            raise click.ClickException(str(err)) from None
+        return
+    if revoke_name:
+        if not auth.revoke_team_token(revoke_name):
+            raise click.ClickException(f"no token named {revoke_name!r}")
+        click.echo(f"revoked {revoke_name}")
+        return
+    if list_names:
+        for name, token in auth.team_tokens().items():
+            click.echo(f"{name}\t{auth.redact(token)}")
+        return
     token = auth.rotate_token() if rotate else auth.load_or_create_token()
     click.echo(token if show else f"{auth.token_path()} ({auth.redact(token)})")

@@ -1,0 +1,153 @@
+"""Serving commands: up, down, status, logs."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+import httpx
+from rich.console import Console
+
+from ikcode import auth, daemon
+from ikcode.cli.common import profile_option, resolve_profile
+from ikcode.profiles import Profile
+
+
+def _port_for(profile: Profile, port: int | None) -> int:
+    return port if port is not None else profile.endpoint.port
+
+
+def start_stack(profile: Profile, port: int | None = None, model: str | None = None) -> daemon.ServerState:
+    """Start the stack in the background and wait until it is healthy, showing progress."""
+    port = _port_for(profile, port)
+    args = ["up", "--foreground", "--profile", profile.source, "--port", str(port)]
+    if model:
+        args += ["--model", model]
+    url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
+    console = Console(stderr=True)
+    with console.status(f"starting ikcode ({profile.name}) on {url}") as status:
+
+        def progress(line: str) -> None:
+            if line:
+                status.update(f"starting ikcode ({profile.name}): {line[-100:]}")
+
+        return daemon.start_background(
+            args, profile.endpoint.host, port, url, profile.name, on_progress=progress
+        )
+
+
+def ensure_stack(profile: Profile) -> str:
+    """The profile's endpoint, started first when nothing answers there (used by `ikcode claude`)."""
+    if daemon.health(profile.base_url) is not None:
+        return profile.base_url
+    running = daemon.read_state()
+    if running is not None and daemon.health(running.url) is not None:
+        return running.url
+    state = start_stack(profile)
+    click.echo(f"ikcode: serving {profile.served_model} at {state.url} (stop with `ikcode down`)", err=True)
+    return state.url
+
+
+@click.command("up")
+@profile_option
+@click.option("--model", default=None, metavar="PATH", help="A GGUF file or Hugging Face checkpoint dir.")
+@click.option("--port", type=int, default=None, help="Port (default: the profile's).")
+@click.option("--host", default=None, help="Bind address (default: the profile's, 127.0.0.1).")
+@click.option("--foreground", is_flag=True, help="Run in this terminal instead of in the background.")
+def up_command(
+    profile_ref: str | None, model: str | None, port: int | None, host: str | None, foreground: bool
+) -> None:
+    """Start the serving stack and print its endpoint."""
+    profile = resolve_profile(profile_ref)
+    if host:
+        profile = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"host": host})})
+    if foreground:
+        from ikcode.stack import serve_foreground
+
+        try:
+            serve_foreground(profile, port=_port_for(profile, port), model_path=model)
+        except daemon.DaemonError as err:
+            raise click.ClickException(str(err)) from None
+        return
+    try:
+        state = start_stack(profile, port, model)
+    except daemon.DaemonError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"ikcode is serving {profile.served_model} at {state.url} (pid {state.pid})")
+    click.echo("logs: ikcode logs -f    stop: ikcode down    use it: ikcode claude")
+
+
+@click.command("down")
+@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to drain requests.")
+def down_command(timeout: float) -> None:
+    """Stop the serving stack (in-flight requests finish first)."""
+    state = daemon.stop(timeout_s=timeout)
+    if state is None:
+        click.echo("ikcode is not running")
+        return
+    click.echo(f"stopped ikcode (pid {state.pid}) at {state.url}")
+
+
+def _summary(url: str, token: str) -> dict:
+    headers = {"Authorization": f"Bearer {token}", "anthropic-version": "2023-06-01"}
+    out: dict = {}
+    try:
+        out["health"] = httpx.get(f"{url}/health", timeout=3).json()
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=3).json().get("data") or []
+        out["model"] = models[0] if models else None
+    except (httpx.HTTPError, ValueError) as err:
+        out["error"] = str(err)
+    return out
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status_command(as_json: bool) -> None:
+    """Endpoint, model, uptime, requests and cache hit rate of the running stack."""
+    state = daemon.read_state()
+    if state is None:
+        if as_json:
+            click.echo(json.dumps({"running": False}))
+        else:
+            click.echo("ikcode is not running (start it with `ikcode up`)")
+        raise SystemExit(3)
+    info = _summary(state.url, auth.load_or_create_token())
+    health = info.get("health") or {}
+    report = {
+        "running": True,
+        "pid": state.pid,
+        "url": state.url,
+        "profile": state.profile,
+        "uptime_s": round(time.time() - state.started_at, 1),
+        "model": (info.get("model") or {}).get("id"),
+        **{k: v for k, v in health.items() if k not in ("status",)},
+    }
+    if "error" in info:
+        report["error"] = info["error"]
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for key, value in report.items():
+        click.echo(f"{key:>22}: {value}")
+
+
+@click.command("logs")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
+@click.option("-n", "--lines", type=int, default=50, show_default=True)
+@click.option("--requests", is_flag=True, help="Show the per-request log (JSON lines) instead.")
+def logs_command(follow: bool, lines: int, requests: bool) -> None:
+    """Show the server log (or the per-request log)."""
+    path: Path = daemon.request_log_file() if requests else daemon.log_file()
+    if not path.exists():
+        raise click.ClickException(f"no log yet at {path}")
+    with path.open("r", errors="replace") as handle:
+        for line in handle.readlines()[-lines:]:
+            click.echo(line, nl=False)
+        while follow:
+            line = handle.readline()
+            if line:
+                click.echo(line, nl=False)
+            else:
+                time.sleep(0.25)

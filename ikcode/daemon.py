@@ -1,0 +1,202 @@
+"""The serving stack as a background service: pid file, port, log file in the state dir.
+
+`ikcode up` spawns `ikcode up --foreground ...` in a new session with its output in the log file,
+then waits until GET /health answers. One instance per state dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from ikcode import paths
+
+
+class DaemonError(Exception):
+    pass
+
+
+@dataclass
+class ServerState:
+    pid: int
+    host: str
+    port: int
+    url: str
+    profile: str
+    log_file: str
+    started_at: float
+
+
+def server_dir() -> Path:
+    return paths.ensure(paths.state_dir() / "server")
+
+
+def state_file() -> Path:
+    return server_dir() / "server.json"
+
+
+def log_file() -> Path:
+    return server_dir() / "server.log"
+
+
+def request_log_file() -> Path:
+    return server_dir() / "requests.jsonl"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of ours still answers kill(0): check its state.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def read_state(clean_stale: bool = True) -> ServerState | None:
+    """The running instance, or None. A pid file whose process is gone is removed."""
+    path = state_file()
+    if not path.is_file():
+        return None
+    try:
+        state = ServerState(**json.loads(path.read_text()))
+    except (ValueError, TypeError):
+        state = None
+    if state is None or not pid_alive(state.pid):
+        if clean_stale:
+            path.unlink(missing_ok=True)
+        return None
+    return state
+
+
+def write_state(state: ServerState) -> None:
+    path = state_file()
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(asdict(state)))
+    os.replace(tmp, path)
+
+
+def clear_state(pid: int) -> None:
+    current = state_file()
+    try:
+        if json.loads(current.read_text()).get("pid") == pid:
+            current.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def port_in_use(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def check_can_start(host: str, port: int) -> None:
+    running = read_state()
+    if running is not None:
+        raise DaemonError(
+            f"ikcode is already running (pid {running.pid}) at {running.url} with profile "
+            f"{running.profile!r}; stop it with `ikcode down` first"
+        )
+    if port_in_use(host, port):
+        raise DaemonError(
+            f"port {port} on {host} is already in use by another program; "
+            "choose another with --port or stop that program"
+        )
+
+
+def health(url: str, timeout_s: float = 2.0) -> dict | None:
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return {}
+
+
+def last_log_line(path: Path) -> str:
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - 4096))
+            lines = handle.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1] if lines else ""
+
+
+def start_background(
+    child_args: list[str],
+    host: str,
+    port: int,
+    url: str,
+    profile: str,
+    timeout_s: float = 600.0,
+    on_progress: Callable[[str], None] | None = None,
+) -> ServerState:
+    """Spawn the foreground server detached, wait until healthy, return its state."""
+    check_can_start(host, port)
+    log = log_file()
+    with log.open("ab") as handle:
+        handle.write(f"\n==== starting {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ikcode", *child_args],
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    state = ServerState(proc.pid, host, port, url, profile, str(log), time.time())
+    write_state(state)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            clear_state(proc.pid)
+            tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
+            raise DaemonError(f"the server exited with code {proc.returncode} while starting:\n{tail}")
+        if health(url, timeout_s=1.0) is not None:
+            return state
+        if on_progress is not None:
+            on_progress(last_log_line(log))
+        time.sleep(0.25)
+    stop(timeout_s=10)
+    raise DaemonError(f"the server did not become healthy within {timeout_s:.0f} s; see {log}")
+
+
+def stop(timeout_s: float = 60.0) -> ServerState | None:
+    """Graceful stop: SIGTERM lets in-flight requests finish; SIGKILL after the timeout."""
+    state = read_state()
+    if state is None:
+        return None
+    os.kill(state.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and pid_alive(state.pid):
+        time.sleep(0.1)
+    if pid_alive(state.pid):
+        os.kill(state.pid, signal.SIGKILL)
+    clear_state(state.pid)
+    return state

@@ -1,0 +1,141 @@
+"""Assemble the serving stack from a profile: engine -> admission -> gateway app -> uvicorn.
+
+This is the only place that knows which engine a profile names; the gateway sees an Engine.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ikcode import auth, daemon
+from ikcode.engines.base import Engine, ModelLoadError
+from ikcode.profiles import Profile
+
+log = logging.getLogger("ikcode.stack")
+
+MB = 1024 * 1024
+
+
+@dataclass
+class Stack:
+    engine: Engine  # what the gateway talks to (admission wrapped around the engine)
+    tokenizer: Any
+    context_window: int
+    description: str
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _embedded_engine(profile: Profile, model_path: str | None) -> tuple[Engine, Any, str]:
+    from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from ikcode.model.loader import load_model
+
+    source = model_path or profile.model.path or None
+    log.info("loading model %s", source or "(default: SmolLM2-135M-Instruct)")
+    loaded = load_model(source)
+    how = "from the weight cache" if loaded.from_cache else "dequantized; cached for the next start"
+    log.info("model loaded in %.1f s (%s)", loaded.load_seconds, how)
+    host_mb = int(profile.cache.get("host_cache_mb", 0))
+    engine = EmbeddedEngine(
+        loaded.config,
+        loaded.state_dict,
+        EmbeddedEngineConfig(
+            kv_memory_bytes=profile.model.kv_cache_mb * MB,
+            host_kv_memory_bytes=host_mb * MB,
+            max_num_seqs=profile.model.max_num_seqs,
+            num_threads=profile.model.threads,
+            device=profile.model.device,
+            model_name=profile.served_model,
+            cache_policy=str(profile.cache.get("policy", "lru")),
+        ),
+    )
+    what = f"embedded engine on {engine.info.device}, {loaded.config.name} from {loaded.source}"
+    return engine, loaded.tokenizer, what
+
+
+def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
+    from ikcode.admission import AdmissionConfig, AdmissionController
+
+    if profile.engine != "embedded":
+        raise daemon.DaemonError(
+            f"profile {profile.name!r} uses engine {profile.engine!r}, which `ikcode up` cannot start "
+            "in this version; use the `local` profile (embedded engine)"
+        )
+    try:
+        engine, tokenizer, description = _embedded_engine(profile, model_path)
+    except ModelLoadError as err:
+        raise daemon.DaemonError(str(err)) from None
+    try:
+        admission = AdmissionConfig.from_dict(profile.admission)
+    except (TypeError, ValueError) as err:
+        raise daemon.DaemonError(f"profile {profile.source}: {err}") from None
+    controller = AdmissionController(engine, admission)
+    controller.start()
+    window = min(profile.context_window, engine.info.context_window)
+    return Stack(controller, tokenizer, window, description)
+
+
+def gateway_settings(profile: Profile, host: str, context_window: int):
+    from ikcode.gateway.settings import GatewaySettings
+
+    tokens: dict[str, str] = {}
+    if profile.auth.required or not is_loopback(host):
+        tokens = {"launcher": auth.load_or_create_token(), **auth.team_tokens()}
+    return GatewaySettings(
+        served_model=profile.served_model,
+        context_window=context_window,
+        max_output_tokens=profile.max_output_tokens,
+        auth_tokens=tokens,
+        bind_loopback=is_loopback(host),
+        request_log_path=daemon.request_log_file(),
+    )
+
+
+def serve_foreground(profile: Profile, port: int, model_path: str | None = None) -> None:
+    """Run the stack in this process until SIGTERM/SIGINT (what `ikcode up` runs in the background)."""
+    from ikcode.gateway import create_app
+    from ikcode.gateway.server import run_server
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    host = profile.endpoint.host
+    running = daemon.read_state()
+    if running is not None and running.pid != os.getpid():
+        raise daemon.DaemonError(f"ikcode is already running (pid {running.pid}) at {running.url}")
+    if daemon.port_in_use(host, port):
+        raise daemon.DaemonError(f"port {port} on {host} is already in use by another program")
+    url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
+    daemon.write_state(
+        daemon.ServerState(os.getpid(), host, port, url, profile.name, str(daemon.log_file()), time.time())
+    )
+    # SIGTERM while the model loads: leave at once (uvicorn installs its own handler later).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        stack = build_stack(profile, model_path)
+        log.info("%s", stack.description)
+        settings = gateway_settings(profile, host, stack.context_window)
+        app = create_app(stack.engine, stack.tokenizer, settings)
+        log.info("serving %s at %s (context window %d)", profile.served_model, url, stack.context_window)
+        try:
+            run_server(app, host, port, log_level="warning", graceful_timeout_s=30)
+        finally:
+            log.info("draining the engine")
+            stack.engine.shutdown(drain_timeout_s=30)
+            log.info("stopped")
+    finally:
+        daemon.clear_state(os.getpid())

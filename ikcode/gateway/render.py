@@ -70,21 +70,24 @@ def system_text(system: str | list[Any] | None) -> str:
 
 def assistant_content_key(content: str | list[Any]) -> bytes:
     """Digest of an assistant turn as the client echoes it (ids, names, inputs, non-empty text)."""
-    parts: list[Any] = []
+    h = blake2b(digest_size=16)
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     for block in blocks:
         kind = _get(block, "type")
         if kind == "text":
             text = _get(block, "text").strip()
             if text:
-                parts.append(["t", text])
+                h.update(b"\x00t%d\x00" % len(text) + text.encode())
         elif kind in ("tool_use", "server_tool_use"):
-            parts.append(["u", _get(block, "id"), _get(block, "name"), _get(block, "input")])
+            tool_input = json.dumps(_get(block, "input"), sort_keys=True, ensure_ascii=False)
+            h.update(b"\x00u" + json.dumps([_get(block, "id"), _get(block, "name"), tool_input]).encode())
         elif kind == "thinking":
-            parts.append(["k", _get(block, "thinking")])
+            thinking = _get(block, "thinking")
+            h.update(b"\x00k%d\x00" % len(thinking) + thinking.encode())
         elif kind == "redacted_thinking":
-            parts.append(["r", _get(block, "data")])
-    return _digest(json.dumps(parts, sort_keys=True, ensure_ascii=False).encode())
+            data = _get(block, "data")
+            h.update(b"\x00r%d\x00" % len(data) + data.encode())
+    return h.digest()
 
 
 class Renderer:
@@ -101,6 +104,11 @@ class Renderer:
         self.store = store or ConversationStore()
         # Guard against tokenizers that add a BOS on every call: strip it per segment.
         self._auto = len(tokenizer.encode("", allow_special=False))
+        # One shared int object per token id: a 450K-token prompt is then built by copying
+        # pointers to a compact table instead of touching 450K scattered int objects.
+        vocab = getattr(tokenizer, "vocab_size", None)
+        has_vocab = isinstance(vocab, int) and vocab > 0
+        self._interned: list[int] | None = list(range(vocab)) if has_vocab else None
         fmt = self.format
         self._start_ids = self._encode(fmt.start, True) if fmt.start else []
         self._prefix_ids = {r: self._encode(fmt.prefix[r], True) for r in ROLES}
@@ -118,7 +126,16 @@ class Renderer:
     # -- tokenization -------------------------------------------------------------------------
     def _encode(self, text: str, allow_special: bool) -> list[int]:
         ids = self.tokenizer.encode(text, allow_special=allow_special)
-        return ids[self._auto :] if self._auto else ids
+        return self._intern(ids[self._auto :] if self._auto else ids)
+
+    def _intern(self, ids: list[int]) -> list[int]:
+        table = self._interned
+        if table is None:
+            return ids
+        try:
+            return [table[i] for i in ids]
+        except IndexError:  # an id past the vocabulary size: keep the ids as they are
+            return ids
 
     def _encode_plain(self, text: str) -> list[int]:
         """Content text: special-token strings in it stay text (no role injection)."""
@@ -195,7 +212,7 @@ class Renderer:
         """Keep the reply's generated ids for when the client sends this turn back."""
         if rendered.reply_prefix_key is None:
             return
-        ids = list(generated_ids)
+        ids = self._intern(list(generated_ids))
         while ids and ids[-1] in self.stop_token_ids:
             ids.pop()
         segment = self._gen_ids + ids + self._suffix_ids["assistant"]

@@ -119,6 +119,17 @@ class AdmissionController:
         with self._cv:
             return self.policy.stats()
 
+    def admission_stats(self) -> dict[str, Any]:
+        """Queue wait by class and shedding counts (exported by the gateway's /metrics)."""
+        return self.stats()
+
+    def cache_stats(self) -> dict[str, Any]:
+        """The wrapped engine's cache counters, so that layers above see through admission."""
+        inner = getattr(self.engine, "cache_stats", None)
+        if not callable(inner):
+            inner = getattr(getattr(self.engine, "cache", None), "snapshot", None)
+        return dict(inner()) if callable(inner) else {}
+
     def ticket_class(self, request_id: str) -> str | None:
         with self._cv:
             t = self.policy.inflight.get(request_id)

@@ -259,6 +259,8 @@ def create_app(
                 "engine": info.kind,
                 "device": info.device,
                 "context_window": context_window,
+                "in_flight": gw.in_flight,
+                **metrics.totals(),
             }
         )
 

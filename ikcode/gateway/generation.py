@@ -26,6 +26,7 @@ from ikcode.engines.base import (
     TokenEvent,
 )
 from ikcode.gateway.errors import APIError, from_engine_error
+from ikcode.gateway.metrics import WARM_HIT_RATE
 from ikcode.gateway.render import RenderedPrompt
 from ikcode.gateway.reply_builder import ReplyBuilder
 from ikcode.gateway.sse import PING, sse_event
@@ -212,6 +213,8 @@ class Generation:
             cached_tokens_device=stats.cached_tokens_device if stats else 0,
             cached_tokens_host=stats.cached_tokens_host if stats else 0,
             hit_rate=round(stats.hit_rate, 4) if stats else 0.0,
+            # warm/cold as the metrics label it, so queue wait and TTFT can be split by class
+            cache_class="warm" if stats and stats.hit_rate >= WARM_HIT_RATE else "cold",
             queue_wait_ms=_ms(stats.queue_wait_s if stats else None),
             ttft_ms=_ms(ttft),
             duration_ms=_ms(time.monotonic() - self.arrived),

@@ -16,6 +16,15 @@ _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 
+def _flatten(prefix: str, data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(f"{prefix}_{key}", value))
+    return out
+
+
 class _LiveCollector(Collector):
     """Engine load and cache statistics, read at scrape time."""
 
@@ -50,6 +59,12 @@ class _LiveCollector(Collector):
                 stats.update({f"cache_{k}": v for k, v in dict(cache_stats()).items()})
             except Exception:
                 pass
+        admission_stats = getattr(self.engine, "admission_stats", None)
+        if callable(admission_stats):
+            try:
+                stats.update(_flatten("admission", admission_stats()))
+            except Exception:
+                pass
         stats.update(self.extra())
         for key, value in stats.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -78,6 +93,30 @@ class GatewayMetrics:
         self.generated_tokens = Counter("ikcode_generated_tokens", "generated tokens", registry=r)
         self.in_flight = Gauge("ikcode_requests_in_flight", "requests being answered", registry=r)
         r.register(_LiveCollector(engine, extra))
+
+    def totals(self) -> dict[str, float]:
+        """Running totals for /health and `ikcode status`."""
+        get = self.registry.get_sample_value
+        prompt = get("ikcode_prompt_tokens_total") or 0.0
+        device = get("ikcode_cached_tokens_total", {"tier": "device"}) or 0.0
+        host = get("ikcode_cached_tokens_total", {"tier": "host"}) or 0.0
+        answered = errors = 0.0
+        for metric in self.requests.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.labels.get("route") == "/v1/messages":
+                    if sample.labels.get("status", "").startswith("2"):
+                        answered += sample.value
+                    else:
+                        errors += sample.value
+        return {
+            "requests": int(answered),
+            "errors": int(errors),
+            "prompt_tokens": int(prompt),
+            "cached_tokens_device": int(device),
+            "cached_tokens_host": int(host),
+            "hit_rate": round((device + host) / prompt, 4) if prompt else 0.0,
+            "generated_tokens": int(get("ikcode_generated_tokens_total") or 0),
+        }
 
     def observe_generation(
         self, stats: RequestStats | None, ttft_s: float | None, output_tokens: int

@@ -1,0 +1,77 @@
+"""`ikcode up`, `status`, `logs`, `down` as a user runs them, on the default model."""
+
+import json
+import socket
+
+import httpx
+import pytest
+
+from ikcode import auth, daemon
+from tests.serving import free_port, ikcode, local_profile
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+
+def test_up_status_logs_down_and_refusals(tmp_path):
+    port = free_port()
+    profile = local_profile(tmp_path, port)
+    started = ikcode("up", "--profile", str(profile))
+    assert started.returncode == 0, started.stderr
+    url = f"http://127.0.0.1:{port}"
+    assert url in started.stdout
+    try:
+        again = ikcode("up", "--profile", str(profile))
+        assert again.returncode != 0
+        assert "already running" in again.stderr
+
+        token = auth.load_or_create_token()
+        unauthorized = httpx.post(f"{url}/v1/messages", json={}, timeout=30)
+        assert unauthorized.status_code == 401
+        reply = httpx.post(
+            f"{url}/v1/messages",
+            headers={"Authorization": f"Bearer {token}", "anthropic-version": "2023-06-01"},
+            json={"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
+                  "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+            timeout=120,
+        )
+        assert reply.status_code == 200, reply.text
+
+        status = ikcode("status", "--json")
+        assert status.returncode == 0, status.stderr
+        report = json.loads(status.stdout)
+        assert report["running"] and report["url"] == url
+        assert report["model"] == "smollm2-135m-instruct"
+        assert report["requests"] == 1 and report["prompt_tokens"] > 0
+
+        logs = ikcode("logs", "-n", "200")
+        assert "serving smollm2-135m-instruct" in logs.stdout
+        assert token not in logs.stdout
+        request_lines = ikcode("logs", "--requests").stdout.strip().splitlines()
+        assert json.loads(request_lines[-1])["model"] == "smollm2-135m-instruct"
+        assert "capital" not in "".join(request_lines)  # no prompt text in the log
+    finally:
+        stopped = ikcode("down")
+    assert stopped.returncode == 0 and "stopped" in stopped.stdout
+    status = ikcode("status")
+    assert status.returncode == 3 and "not running" in status.stdout
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_port_taken_is_refused_clearly(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = ikcode("up", "--profile", str(local_profile(tmp_path, port)))
+    assert result.returncode != 0
+    assert f"port {port} on 127.0.0.1 is already in use" in result.stderr
+    assert daemon.read_state() is None
+
+
+def test_stale_pid_file_is_cleaned_up():
+    daemon.write_state(daemon.ServerState(2**22 + 12345, "127.0.0.1", 1, "http://127.0.0.1:1", "local",
+                                          "x.log", 0.0))
+    result = ikcode("status")
+    assert result.returncode == 3 and "not running" in result.stdout
+    assert not daemon.state_file().exists()

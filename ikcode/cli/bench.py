@@ -26,8 +26,9 @@ import click
     "--policy",
     "policies",
     multiple=True,
-    type=click.Choice(["fifo", "ikcode"]),
-    help="Admission policy (simulated); repeat to compare side by side.",
+    type=click.Choice(["fifo", "ikcode", "lru"]),
+    help="Admission policy fifo|ikcode (simulated; repeat to compare side by side), "
+    "or cache policy lru|ikcode with --trace.",
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
@@ -47,7 +48,9 @@ import click
 @click.option("--no-shed", is_flag=True, help="Never shed cold work (admission knob).")
 @click.option("--base-url", default=None, help="Live endpoint root (default: the profile's).")
 @click.option("--token", default=None, help="Bearer token / API key for the live endpoint.")
-@click.option("--model", default="default", show_default=True, help="Model name sent to the live endpoint.")
+@click.option("--model", default=None, help="Model name sent to the live endpoint (default: the served one).")
+@click.option("--device-tokens", type=int, default=None, help="Device-tier capacity for --trace (tokens).")
+@click.option("--host-tokens", type=int, default=None, help="Host-tier capacity for --trace (tokens).")
 @click.option(
     "--trace",
     "trace_path",
@@ -82,8 +85,20 @@ def bench_command(**opts: Any) -> None:
         raise click.ClickException(str(err)) from None
 
     if opts["trace_path"]:
-        _replay(profile, opts["trace_path"], opts["json_path"])
+        policies = opts["policies"] or (str(profile.cache.get("policy", "lru")),)
+        if "fifo" in policies:
+            raise click.UsageError("--trace replays the cache: --policy must be lru or ikcode")
+        _replay(
+            profile,
+            opts["trace_path"],
+            opts["json_path"],
+            policies,
+            opts["device_tokens"],
+            opts["host_tokens"],
+        )
         return
+    if "lru" in opts["policies"]:
+        raise click.UsageError("--policy lru is a cache policy (use it with --trace); admission: fifo|ikcode")
 
     live_defaults = {
         "agents": 4,
@@ -146,7 +161,8 @@ def bench_command(**opts: Any) -> None:
         console.print(
             f"live: {workload.agents} agents x {workload.context_tokens:,} tokens against {base_url} ..."
         )
-        report = run_live(base_url, token, workload, opts["model"], progress=progress)
+        model = opts["model"] or profile.served_model
+        report = run_live(base_url, token, workload, model, progress=progress)
         report["config"]["policy"] = "live"
         reports.append(report)
 
@@ -172,17 +188,27 @@ def _profile_token(profile: Any) -> str | None:
         return None
 
 
-def _replay(profile: Any, path: str, json_path: str | None) -> None:
+def _replay(
+    profile: Any,
+    path: str,
+    json_path: str | None,
+    policies: tuple[str, ...],
+    device_tokens: int | None,
+    host_tokens: int | None,
+) -> None:
     from ikcode.cache.trace_replay import format_table, replay_trace
 
     hw = profile.hardware
-    result = replay_trace(
-        path,
-        device_tokens=int(hw.get("device_tier_tokens", 57_000_000)),
-        host_tokens=int(hw.get("host_tier_tokens", 0)),
-        policy=str(profile.cache.get("policy", "lru")),
-    )
-    click.echo(format_table([result]))
+    results = [
+        replay_trace(
+            path,
+            device_tokens=device_tokens or int(hw.get("device_tier_tokens", 57_000_000)),
+            host_tokens=host_tokens if host_tokens is not None else int(hw.get("host_tier_tokens", 0)),
+            policy=policy,
+        )
+        for policy in policies
+    ]
+    click.echo(format_table(results))
     if json_path:
         with open(json_path, "w", encoding="utf-8") as f:
-            json.dump(result, f, indent=2, default=str)
+            json.dump(results[0] if len(results) == 1 else {"runs": results}, f, indent=2, default=str)

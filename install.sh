@@ -32,7 +32,10 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "==> creating virtual environment $venv"
   "$python" -m venv "$venv"
 fi
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check "$@"; }
+pip() {
+  # Some machines list local package folders that do not exist: keep pip's output readable.
+  "$venv/bin/python" -m pip --disable-pip-version-check "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+}
 
 # torch first and exactly: a plain `torch` requirement would pull a multi-GB CUDA build onto a
 # CPU-only machine. With this torch present, ikcode's own range (torch>=2.4) installs nothing more.

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 
@@ -107,12 +107,17 @@ class EngineRequest:
     # (per-user isolation). "" = the shared namespace.
     cache_salt: str = ""
     session_id: str | None = None
+    # The caller expects this session back within seconds (an agent step that may end in a tool
+    # call): when the request finishes normally (stop or length, not abort or error), the engine
+    # keeps its blocks on the device for up to this many seconds, if its cache policy holds
+    # sessions (bounded by the policy's share of the device). None = no hold.
+    hold_tail_s: float | None = None
 
 
 # ---------------------------------------------------------------------------------------------
 # What comes back
 # ---------------------------------------------------------------------------------------------
-class FinishReason(str, Enum):
+class FinishReason(StrEnum):
     STOP = "stop"  # EOS or a stop token
     LENGTH = "length"  # max_tokens reached
     ABORT = "abort"  # aborted by the caller
@@ -163,7 +168,7 @@ class TokenEvent:
     error: EngineError | None = None
 
 
-class LifecycleKind(str, Enum):
+class LifecycleKind(StrEnum):
     ADMITTED = "admitted"  # entered the running batch; its cache lookup is final
     FIRST_TOKEN = "first_token"
     FINISHED = "finished"  # last token produced; the engine may still hold the KV

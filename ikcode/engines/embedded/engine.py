@@ -85,6 +85,13 @@ class EmbeddedEngine:
         self.runner = ModelRunner(
             mc, state_dict, self.num_blocks, num_host, bs, self.device, config.batch_invariant
         )
+        # A tier's budget is a ceiling: check it against the tensors actually allocated.
+        for tier, used, budget in (
+            ("device", self.runner.device_kv_bytes, config.kv_memory_bytes),
+            ("host", self.runner.host_kv_bytes, config.host_kv_memory_bytes),
+        ):
+            if used > budget:
+                raise RuntimeError(f"{tier} KV tensors take {used} bytes, over the {budget}-byte budget")
         self.cache = PrefixCache(
             self.num_blocks,
             bs,
@@ -324,8 +331,12 @@ class EmbeddedEngine:
 
     def _release(self, seq: Sequence) -> None:
         committed = [] if seq.drop_commit else committable_hashes(seq, self.config.block_size)
+        request = seq.request
+        # A hold only for a normal finish: an aborted or failed request's client is gone.
+        normal = seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+        hold_s = request.hold_tail_s if normal else None
         with self._lock:
-            self.cache.release(seq.seq_id, committed)
+            self.cache.release(seq.seq_id, committed, session_id=request.session_id, hold_s=hold_s)
         seq.block_table = []
         seq.status = SequenceStatus.RELEASED
         seq.stats.released_at = time.monotonic()

@@ -36,13 +36,34 @@ class ModelRunner:
         self.k_pool = torch.zeros(shape, dtype=torch.float32, device=device)
         self.v_pool = torch.zeros(shape, dtype=torch.float32, device=device)
         host_shape = (cfg.num_layers, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        pin = device.type == "cuda"
+        # Page-locked host memory makes host<->GPU copies DMA transfers; without CUDA it is
+        # unavailable (and pointless), so plain RAM then.
+        pin = device.type == "cuda" and torch.cuda.is_available()
         self.k_host = (
             torch.zeros(host_shape, dtype=torch.float32, pin_memory=pin) if num_host_blocks else None
         )
         self.v_host = (
             torch.zeros(host_shape, dtype=torch.float32, pin_memory=pin) if num_host_blocks else None
         )
+
+    # ---- what the tiers really occupy (measured from the tensors, not derived from settings) ---
+    @property
+    def device_kv_bytes(self) -> int:
+        return self.k_pool.nbytes + self.v_pool.nbytes
+
+    @property
+    def host_kv_bytes(self) -> int:
+        return sum(t.nbytes for t in (self.k_host, self.v_host) if t is not None)
+
+    @property
+    def host_pinned(self) -> bool:
+        return self.k_host is not None and self.k_host.is_pinned()
+
+    def block_bytes(self, block: int) -> bytes:
+        """Raw K and V bytes of one device block, all layers (tests compare them bit for bit)."""
+        k = self.k_pool[:, block].contiguous().cpu()
+        v = self.v_pool[:, block].contiguous().cpu()
+        return k.numpy().tobytes() + v.numpy().tobytes()
 
     # ---- KVStore ---------------------------------------------------------------------------
     def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:

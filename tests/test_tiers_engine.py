@@ -35,9 +35,9 @@ def run(engine, request_id: str, prompt: list[int], max_tokens: int = 4, **field
     return tokens, final.stats
 
 
-def fill_device(engine, tag: str, rounds: int = 2) -> None:
-    """Push every earlier cached block off the device with prompts nobody asks for again."""
-    n = (engine.num_blocks - 2) * BS
+def fill_device(engine, tag: str, rounds: int = 2, blocks: int | None = None) -> None:
+    """Push earlier cached blocks off the device with prompts nobody asks for again."""
+    n = (blocks or engine.num_blocks - 2) * BS
     for i in range(rounds):
         run(engine, f"fill-{tag}-{i}", prompt_of(hash((tag, i)) % 10_000, n), max_tokens=1, cache_salt=tag)
 

@@ -31,7 +31,10 @@ class IkcodePolicy:
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._held: dict[int, float] = {}  # block -> deadline
-        self._deadlines: list[tuple[float, int]] = []  # heap; entries may be stale
+        # heap of (deadline, push order, block); entries may be stale. The push order breaks ties
+        # so that blocks held together still leave tail first.
+        self._deadlines: list[tuple[float, int, int]] = []
+        self._pushes = 0
         self._sharers: dict[int, int] = {}  # block -> distinct sharers seen (consecutive-distinct)
         self._last_sharer: dict[int, str] = {}
         self._protected_cap = 0
@@ -54,7 +57,8 @@ class IkcodePolicy:
         for b in blocks:
             if hold_until is not None and hold_until > now and len(self._held) < self._held_cap:
                 self._held[b] = hold_until
-                heapq.heappush(self._deadlines, (hold_until, b))
+                self._pushes += 1
+                heapq.heappush(self._deadlines, (hold_until, self._pushes, b))
             elif self._sharers.get(b, 0) >= self.protect_after:
                 self._protected[b] = None
             else:
@@ -77,7 +81,7 @@ class IkcodePolicy:
         if self._protected:
             return self._protected.popitem(last=False)[0]
         while self._deadlines:
-            deadline, b = heapq.heappop(self._deadlines)
+            deadline, _, b = heapq.heappop(self._deadlines)
             if self._held.get(b) == deadline:
                 del self._held[b]
                 return b
@@ -87,10 +91,14 @@ class IkcodePolicy:
         self._sharers.pop(block, None)
         self._last_sharer.pop(block, None)
 
+    def num_held(self) -> int:
+        """Blocks currently held for sessions (expired holds leave at the next eviction)."""
+        return len(self._held)
+
     def _expire_holds(self, now: float) -> None:
         expired: list[int] = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, b = heapq.heappop(self._deadlines)
+            deadline, _, b = heapq.heappop(self._deadlines)
             if self._held.get(b) == deadline:
                 del self._held[b]
                 expired.append(b)

@@ -1,0 +1,164 @@
+"""kind = "anthropic": forward /v1/messages and count_tokens as they are.
+
+The body goes upstream byte for byte (unknown fields and beta headers included; only `model` is
+rewritten when the profile names the upstream's own model), and the answer comes back the same
+way: error bodies unmodified, a stream relayed chunk by chunk as it arrives. ikcode only reads
+along: the first content delta (TTFT, measured here) and the usage events (cache, as reported).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from ikcode.gateway.errors import error_body
+from ikcode.gateway.sse import sse_event
+
+from .forward import SSEScanner, aclose_quietly, open_stream, prefix_key, response_headers, upstream_headers
+from .metrics import finish_record
+from .router import Replica
+from .state import Upstream
+
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+def _usage_numbers(usage: dict[str, Any]) -> tuple[int, int | None, int]:
+    read = usage.get("cache_read_input_tokens")
+    created = usage.get("cache_creation_input_tokens") or 0
+    prompt = (usage.get("input_tokens") or 0) + (read or 0) + created
+    return prompt, read, usage.get("output_tokens") or 0
+
+
+class _Tap:
+    """What ikcode learns from an Anthropic answer while relaying it."""
+
+    def __init__(self) -> None:
+        self.usage: dict[str, Any] = {}
+        self.first_delta_at: float | None = None
+        self.stop_reason: str | None = None
+        self.error: str | None = None
+
+    def see(self, event: str, data: bytes, now: float) -> None:
+        if event == "content_block_delta":
+            if self.first_delta_at is None:
+                self.first_delta_at = now
+            return
+        if event not in ("message_start", "message_delta", "error"):
+            return
+        try:
+            payload = json.loads(data)
+        except ValueError:
+            return
+        if event == "message_start":
+            self.usage.update((payload.get("message") or {}).get("usage") or {})
+        elif event == "message_delta":
+            # A full set in message_delta wins over message_start (as Claude Code reads it).
+            self.usage.update({k: v for k, v in (payload.get("usage") or {}).items() if v is not None})
+            self.stop_reason = (payload.get("delta") or {}).get("stop_reason")
+        else:
+            self.error = json.dumps(payload.get("error"))[:500]
+
+
+def _body_for_upstream(up: Upstream, raw: bytes) -> tuple[bytes, dict[str, Any]]:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw, {}  # the upstream answers malformed JSON in its own words
+    if not isinstance(body, dict):
+        return raw, {}
+    if up.config.model and body.get("model") != up.config.model:
+        body["model"] = up.config.model
+        raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+    return raw, body
+
+
+async def forward_messages(
+    up: Upstream, request: Request, raw: bytes, record: dict[str, Any], arrived: float
+) -> Response:
+    content, body = _body_for_upstream(up, raw)
+    record.update(model=body.get("model"), stream=bool(body.get("stream")))
+    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    headers = upstream_headers(up, request.headers, anthropic=True)
+    replica, response, attempts = await open_stream(
+        up, path, content, headers, record.get("session_id"), prefix_key(body)
+    )
+    record.update(replica=replica.name, attempts=attempts, status=response.status_code)
+    tap = _Tap()
+    if response.status_code != 200 or not body.get("stream"):
+        try:
+            data = await response.aread()
+        finally:
+            await aclose_quietly(response)
+            up.router.release(replica)
+        if response.status_code == 200:
+            try:
+                answer = json.loads(data)
+                tap.usage = answer.get("usage") or {}
+                tap.stop_reason = answer.get("stop_reason")
+                tap.first_delta_at = time.monotonic()
+            except (ValueError, AttributeError):
+                pass
+        else:
+            tap.error = data[:500].decode("utf-8", "replace")
+        _finish(up, record, tap, arrived)
+        return Response(data, status_code=response.status_code, headers=response_headers(response))
+    return StreamingResponse(
+        _relay(up, replica, response, tap, record, arrived),
+        status_code=200,
+        media_type="text/event-stream",
+        headers={**response_headers(response), **STREAM_HEADERS},
+    )
+
+
+async def _relay(
+    up: Upstream, replica: Replica, response, tap: _Tap, record: dict, arrived: float
+) -> AsyncIterator[bytes]:
+    scanner = SSEScanner()
+    try:
+        async for chunk in response.aiter_raw():
+            now = time.monotonic()
+            for event, data in scanner.feed(chunk):
+                tap.see(event, data, now)
+            yield chunk
+    except Exception as err:  # the replica died mid-stream: say so in-band; the client retries
+        up.router.mark_down(replica, f"stream cut: {type(err).__name__}")
+        tap.error = f"upstream stream cut: {type(err).__name__}"
+        yield sse_event(error_body("overloaded_error", "upstream replica failed mid-stream; retry"))
+    finally:
+        await aclose_quietly(response)
+        up.router.release(replica)
+        _finish(up, record, tap, arrived)
+
+
+def _finish(up: Upstream, record: dict[str, Any], tap: _Tap, arrived: float) -> None:
+    prompt, cached, output = _usage_numbers(tap.usage)
+    finish_record(record, prompt, cached, output)
+    ttft = None if tap.first_delta_at is None else tap.first_delta_at - arrived
+    record.update(
+        ttft_ms=None if ttft is None else round(ttft * 1000, 2),
+        duration_ms=round((time.monotonic() - arrived) * 1000, 2),
+        stop_reason=tap.stop_reason,
+        error=tap.error,
+    )
+    up.metrics.observe(record)
+    up.log.write(record)
+
+
+async def forward_count_tokens(up: Upstream, request: Request, raw: bytes) -> Response:
+    content, body = _body_for_upstream(up, raw)
+    path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    headers = upstream_headers(up, request.headers, anthropic=True)
+    replica, response, _ = await open_stream(
+        up, path, content, headers, request.headers.get("x-claude-code-session-id"), prefix_key(body)
+    )
+    try:
+        data = await response.aread()
+    finally:
+        await aclose_quietly(response)
+        up.router.release(replica)
+    return Response(data, status_code=response.status_code, headers=response_headers(response))

@@ -1,0 +1,203 @@
+"""The upstream front: the Anthropic Messages API over existing servers (one or more replicas).
+
+`create_upstream_app(config, settings)` builds it without a socket; serve it with
+`ikcode.gateway.server.run_server` or `BackgroundServer`. It shares the gateway's wire models,
+error shapes, SSE writer, auth, edge middleware and request log; what differs is behind the
+route: a replica chosen per session, then forwarding (kind "anthropic") or translation to chat
+completions (kind "openai").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ikcode.gateway.app import _authenticate, _EdgeMiddleware, _model_info, _read_model
+from ikcode.gateway.errors import APIError, error_body
+from ikcode.gateway.messages import check_model, new_message_id
+from ikcode.gateway.request_log import RequestLog
+from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
+from ikcode.gateway.settings import GatewaySettings
+
+from . import anthropic_proxy, openai_proxy
+from .config import UpstreamConfig
+from .health import health_loop
+from .metrics import UpstreamMetrics
+from .router import NoReplica, Router
+from .state import Upstream
+
+logger = logging.getLogger("ikcode.upstream")
+RETRY_AFTER_NO_REPLICA_S = 2
+
+
+def _error(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+async def _read_raw(up: Upstream, request: Request) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > up.settings.max_body_bytes:
+            raise APIError(413, f"request body is larger than {up.settings.max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> FastAPI:
+    settings.validate()
+    if not settings.context_window:
+        raise ValueError("the upstream front needs settings.context_window (the profile's)")
+    router = Router(config.urls, config.max_in_flight)
+    up = Upstream(
+        config,
+        settings,
+        router,
+        UpstreamMetrics(router.snapshot),
+        RequestLog(settings.request_log_path),
+        settings.context_window,
+    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        checks = asyncio.create_task(health_loop(up))
+        try:
+            yield
+        finally:
+            checks.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await checks
+            if up.client is not None:
+                await up.client.aclose()
+                up.client = None
+            up.log.close()
+
+    app = FastAPI(title="ikcode upstream", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.upstream = up
+    app.add_middleware(_EdgeMiddleware, gw=up)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        if error.status_code == 404:
+            return _error(APIError(404, f"not found: {request.method} {request.url.path}"))
+        return _error(APIError(error.status_code, str(error.detail)))
+
+    async def guarded(request: Request, handler: Any) -> Response:
+        try:
+            return await handler()
+        except APIError as error:
+            return _error(error)
+        except NoReplica as error:
+            return _error(APIError(503, f"{error}; retry shortly", retry_after_s=RETRY_AFTER_NO_REPLICA_S))
+        except Exception:
+            logger.exception("unexpected error on %s", request.url.path)
+            return JSONResponse(error_body("api_error", "internal server error"), status_code=500)
+
+    @app.post("/v1/messages")
+    async def create_message(request: Request) -> Response:
+        arrived = time.monotonic()
+        record: dict[str, Any] = {
+            "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            "request_id": new_message_id(),
+            "session_id": request.headers.get("x-claude-code-session-id"),
+            "upstream_kind": config.kind,
+        }
+
+        async def handler() -> Response:
+            record["user"] = _authenticate(up, request)
+            up.in_flight += 1
+            up.metrics.in_flight.inc()
+            try:
+                if config.kind == "anthropic":
+                    raw = await _read_raw(up, request)
+                    return await anthropic_proxy.forward_messages(up, request, raw, record, arrived)
+                body = await _read_model(up, request, MessagesRequest)
+                check_model(up, body.model)
+                record.update(model=body.model, stream=bool(body.stream))
+                return await openai_proxy.forward_messages(up, request, body, record, arrived)
+            finally:
+                up.in_flight -= 1
+                up.metrics.in_flight.dec()
+
+        response = await guarded(request, handler)
+        if "status" not in record:  # refused before reaching a replica
+            record.update(
+                status=response.status_code, error=bytes(response.body)[:300].decode("utf-8", "replace")
+            )
+            up.log.write(record)
+        return response
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        async def handler() -> Response:
+            _authenticate(up, request)
+            if config.kind == "anthropic":
+                return await anthropic_proxy.forward_count_tokens(up, request, await _read_raw(up, request))
+            body = await _read_model(up, request, CountTokensRequest)
+            check_model(up, body.model)
+            return await openai_proxy.count_tokens(up, request, body)
+
+        return await guarded(request, handler)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        async def handler() -> Response:
+            _authenticate(up, request)
+            info = _model_info(up, settings.served_model)
+            return JSONResponse(
+                {"data": [info], "has_more": False, "first_id": info["id"], "last_id": info["id"]}
+            )
+
+        return await guarded(request, handler)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> Response:
+        async def handler() -> Response:
+            _authenticate(up, request)
+            check_model(up, model_id)
+            return JSONResponse(_model_info(up, model_id))
+
+        return await guarded(request, handler)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/health")
+    async def health() -> Response:
+        replicas = router.snapshot()
+        return JSONResponse(
+            {
+                "status": "ok" if any(r["healthy"] for r in replicas) else "no_healthy_replica",
+                "model": settings.served_model,
+                "engine": "upstream",
+                "upstream_kind": config.kind,
+                "device": "upstream",
+                "context_window": up.context_window,
+                "in_flight": up.in_flight,
+                "replicas": replicas,
+                "session_moves": dict(router.moves),
+                **up.metrics.totals(),
+            }
+        )
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request) -> Response:
+        async def handler() -> Response:
+            _authenticate(up, request)
+            return Response(generate_latest(up.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+        return await guarded(request, handler)
+
+    return app

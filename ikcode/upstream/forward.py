@@ -1,0 +1,131 @@
+"""Sending one request to a replica: pick it, connect, and on a connection failure take the
+replica out and try another (the client never sees a dead replica, only at worst a 503)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+from .router import NoReplica, Replica
+from .state import Upstream
+
+logger = logging.getLogger("ikcode.upstream")
+
+# Request headers never forwarded: hop-by-hop, sizes we recompute, and the client's credentials
+# for ikcode (the upstream gets its own token).
+_DROP_REQUEST = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "upgrade",
+    "x-api-key",
+    "authorization",
+    "accept-encoding",
+    "te",
+    "proxy-authorization",
+}
+# Response headers passed back to the client (status and error semantics live in these).
+_KEEP_RESPONSE = ("content-type", "retry-after", "x-should-retry", "request-id", "x-request-id")
+
+
+def upstream_headers(up: Upstream, incoming: Any, anthropic: bool) -> dict[str, str]:
+    headers = {k: v for k, v in incoming.items() if k.lower() not in _DROP_REQUEST} if anthropic else {}
+    headers["content-type"] = "application/json"
+    headers["accept-encoding"] = "identity"  # relay bytes as they come, no re-compression
+    headers.update(up.config.headers)
+    if up.config.token:
+        if anthropic:
+            headers["x-api-key"] = up.config.token
+        headers["authorization"] = f"Bearer {up.config.token}"
+    return headers
+
+
+def response_headers(response: httpx.Response) -> dict[str, str]:
+    out = {k: response.headers[k] for k in _KEEP_RESPONSE if k in response.headers}
+    out.update({k: v for k, v in response.headers.items() if k.startswith("anthropic-")})
+    return out
+
+
+def prefix_key(body: dict[str, Any]) -> str:
+    """A conversation's stable start: system prompt and first message (Claude Code's attribution
+    line differs per conversation, which is fine here: it is a key, not a shared prefix)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr(body.get("system")).encode())
+    messages = body.get("messages") or []
+    if isinstance(messages, list) and messages:
+        h.update(repr(messages[0]).encode()[:8192])
+    return h.hexdigest()
+
+
+async def open_stream(
+    up: Upstream, path: str, content: bytes, headers: dict[str, str], session_id: str | None, key: str
+) -> tuple[Replica, httpx.Response, int]:
+    """The first replica that answers (headers received), its response (not yet read) and the
+    number of attempts; NoReplica when none does."""
+    tried: set[str] = set()
+    attempts = 0
+    while attempts <= up.config.retries + len(up.router.replicas):
+        replica = up.router.pick(session_id, key, tried)
+        attempts += 1
+        request = up.http().build_request("POST", replica.url + path, content=content, headers=headers)
+        try:
+            response = await up.http().send(request, stream=True)
+            return replica, response, attempts
+        except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+            up.router.release(replica)
+            up.router.mark_down(replica, f"{type(err).__name__}: {err}")
+            logger.warning("replica %s (%s) is down: %s; retrying elsewhere", replica.name, replica.url, err)
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
+            # Closed before answering (a stale keep-alive connection or a dying server): retry
+            # elsewhere now; the health check decides whether the replica is gone.
+            up.router.release(replica)
+            logger.warning("replica %s closed the connection: %s; retrying elsewhere", replica.name, err)
+        except BaseException:
+            up.router.release(replica)
+            raise
+        tried.add(replica.url)
+        up.metrics.retries.inc()
+        if len(tried) >= len(up.router.replicas):
+            break
+    raise NoReplica("every upstream replica failed to answer")
+
+
+class SSEScanner:
+    """Splits relayed SSE bytes into (event, data) pairs without touching what is relayed."""
+
+    def __init__(self) -> None:
+        self.buffer = b""
+        self.event = ""
+        self.data: list[bytes] = []
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[str, bytes]]:
+        self.buffer += chunk
+        *lines, self.buffer = self.buffer.split(b"\n")
+        for line in lines:
+            line = line.rstrip(b"\r")
+            if not line:
+                if self.data or self.event:
+                    yield self.event, b"\n".join(self.data)
+                self.event, self.data = "", []
+            elif line.startswith(b"event:"):
+                self.event = line[6:].strip().decode("utf-8", "replace")
+            elif line.startswith(b"data:"):
+                self.data.append(line[5:].strip())
+
+
+async def aclose_quietly(response: httpx.Response) -> None:
+    try:
+        await response.aclose()
+    except Exception:  # closing a broken connection must not hide the real outcome
+        pass
+
+
+async def iterate(response: httpx.Response) -> AsyncIterator[bytes]:
+    async for chunk in response.aiter_raw():
+        yield chunk

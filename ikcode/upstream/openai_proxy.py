@@ -1,0 +1,168 @@
+"""kind = "openai": Anthropic Messages in, chat completions upstream, Anthropic Messages out."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ikcode.gateway.errors import error_body
+from ikcode.gateway.messages import new_message_id
+from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
+from ikcode.gateway.sse import PING, sse_event
+
+from .forward import aclose_quietly, open_stream, prefix_key, response_headers, upstream_headers
+from .metrics import finish_record
+from .openai_request import to_chat_request
+from .openai_response import UpstreamUsage, to_anthropic_error, to_message
+from .openai_stream import StreamTranslator
+from .pings import with_pings
+from .router import Replica
+from .state import Upstream
+
+CHAT_PATH = "/chat/completions"
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+async def _send(up: Upstream, request: Request, data: dict[str, Any], record: dict[str, Any] | None):
+    chat = to_chat_request(data, up.config.model or up.settings.served_model)
+    content = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
+    headers = upstream_headers(up, request.headers, anthropic=False)
+    session = request.headers.get("x-claude-code-session-id")
+    replica, response, attempts = await open_stream(
+        up, CHAT_PATH, content, headers, session, prefix_key(data)
+    )
+    if record is not None:
+        record.update(replica=replica.name, attempts=attempts, status=response.status_code)
+    return replica, response
+
+
+async def _read_all(up: Upstream, replica: Replica, response: httpx.Response) -> bytes:
+    try:
+        return await response.aread()
+    finally:
+        await aclose_quietly(response)
+        up.router.release(replica)
+
+
+def _error_response(response: httpx.Response, raw: bytes) -> JSONResponse:
+    status, body = to_anthropic_error(response.status_code, raw)
+    return JSONResponse(
+        body, status_code=status, headers=response_headers(response) | {"content-type": "application/json"}
+    )
+
+
+async def forward_messages(
+    up: Upstream, request: Request, body: MessagesRequest, record: dict[str, Any], arrived: float
+) -> Response:
+    data = body.model_dump(exclude_none=True)
+    replica, response = await _send(up, request, data, record)
+    message_id = new_message_id()
+    stops = body.stop_sequences or []
+    if response.status_code != 200:
+        raw = await _read_all(up, replica, response)
+        reply = _error_response(response, raw)
+        record["status"] = reply.status_code
+        _finish(up, record, UpstreamUsage(), None, None, arrived, raw[:500].decode("utf-8", "replace"))
+        return reply
+    if not body.stream:
+        raw = await _read_all(up, replica, response)
+        message, usage = to_message(json.loads(raw), message_id, body.model, stops)
+        _finish(up, record, usage, time.monotonic(), message["stop_reason"], arrived, None)
+        return JSONResponse(message)
+    translator = StreamTranslator(message_id, body.model, stops)
+    return StreamingResponse(
+        _translate(up, replica, response, translator, record, arrived),
+        media_type="text/event-stream",
+        headers=STREAM_HEADERS,
+    )
+
+
+async def _translate(
+    up: Upstream,
+    replica: Replica,
+    response: httpx.Response,
+    tr: StreamTranslator,
+    record: dict,
+    arrived: float,
+) -> AsyncIterator[bytes]:
+    first_at: float | None = None
+    error: str | None = None
+    done = False
+    try:
+        yield tr.start()
+        async for line in with_pings(response.aiter_lines(), up.settings.ping_interval_s):
+            if line is None:
+                yield PING
+                continue
+            if not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(payload)
+            if chunk.get("error"):
+                error = json.dumps(chunk["error"])[:500]
+                break
+            for event in tr.feed(chunk):
+                yield event
+            if first_at is None and tr.first_token:
+                first_at = time.monotonic()
+        if error is None and not done and tr.finish_reason is None:
+            error = "upstream stream ended without finishing"
+        if error is None:
+            for event in tr.finish():
+                yield event
+        else:
+            yield sse_event(error_body("api_error", f"upstream: {error}"))
+    except httpx.HTTPError as err:  # the replica died mid-stream: say so in-band; the client retries
+        up.router.mark_down(replica, f"stream cut: {type(err).__name__}")
+        error = f"upstream stream cut: {type(err).__name__}"
+        yield sse_event(error_body("overloaded_error", "upstream replica failed mid-stream; retry"))
+    except json.JSONDecodeError:
+        error = "upstream sent a chunk that is not JSON"
+        yield sse_event(error_body("api_error", error))
+    finally:
+        await aclose_quietly(response)
+        up.router.release(replica)
+        reason = None if error else tr.stop_reason_now()
+        _finish(up, record, tr.usage, first_at, reason, arrived, error)
+
+
+def _finish(
+    up: Upstream,
+    record: dict[str, Any],
+    usage: UpstreamUsage,
+    first_at: float | None,
+    stop_reason: str | None,
+    arrived: float,
+    error: str | None,
+) -> None:
+    finish_record(record, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
+    record.update(
+        ttft_ms=None if first_at is None else round((first_at - arrived) * 1000, 2),
+        duration_ms=round((time.monotonic() - arrived) * 1000, 2),
+        stop_reason=stop_reason,
+        error=error,
+    )
+    up.metrics.observe(record)
+    up.log.write(record)
+
+
+async def count_tokens(up: Upstream, request: Request, body: CountTokensRequest) -> Response:
+    """Chat completions have no token count: ask for one token and read `prompt_tokens`."""
+    data = body.model_dump(exclude_none=True)
+    data.update(max_tokens=1, stream=False)
+    replica, response = await _send(up, request, data, None)
+    raw = await _read_all(up, replica, response)
+    if response.status_code != 200:
+        return _error_response(response, raw)
+    return JSONResponse(
+        {"input_tokens": UpstreamUsage.from_openai(json.loads(raw).get("usage")).prompt_tokens}
+    )

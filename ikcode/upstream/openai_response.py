@@ -1,0 +1,133 @@
+"""OpenAI chat completion (and its errors) -> Anthropic Messages response.
+
+Usage: `prompt_tokens_details.cached_tokens` is the upstream's own cache report; when it is
+missing the upstream did not say, and `cache_read_input_tokens` is 0 with `cache_reported` False
+(the request log says "not reported by upstream" rather than inventing a number).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from ikcode.gateway.errors import ERROR_TYPES, error_body
+
+FINISH_TO_STOP = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+}
+_CONTEXT = re.compile(r"maximum context length is (\d+) tokens.*?(?:requested|has) (\d+)", re.S | re.I)
+
+
+@dataclass
+class UpstreamUsage:
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int | None = None  # None: the upstream did not report its cache
+
+    @classmethod
+    def from_openai(cls, usage: dict[str, Any] | None) -> UpstreamUsage:
+        usage = usage or {}
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), cached)
+
+    def anthropic(self) -> dict[str, int]:
+        cached = self.cached_tokens or 0
+        return {
+            "input_tokens": max(0, self.prompt_tokens - cached),
+            "output_tokens": self.output_tokens,
+            "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": 0,
+        }
+
+
+def new_tool_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
+
+
+def parse_arguments(arguments: str | None) -> dict[str, Any]:
+    try:
+        value = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return {"_raw_arguments": arguments}
+    return value if isinstance(value, dict) else {"value": value}
+
+
+def stop_reason(
+    finish_reason: str | None, matched_stop: Any, stops: list[str], has_tools: bool
+) -> tuple[str, str | None]:
+    if has_tools:
+        return "tool_use", None
+    if finish_reason == "stop" and isinstance(matched_stop, str) and matched_stop in stops:
+        return "stop_sequence", matched_stop  # vLLM and SGLang say which stop string matched
+    return FINISH_TO_STOP.get(finish_reason or "stop", "end_turn"), None
+
+
+def to_message(
+    completion: dict[str, Any], message_id: str, model: str, stops: list[str]
+) -> tuple[dict, UpstreamUsage]:
+    choice = (completion.get("choices") or [{}])[0]
+    message = choice.get("message") or {}
+    content: list[dict[str, Any]] = []
+    if message.get("content"):
+        content.append({"type": "text", "text": message["content"]})
+    calls = message.get("tool_calls") or []
+    for call in calls:
+        function = call.get("function") or {}
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id") or new_tool_id(),
+                "name": function.get("name", ""),
+                "input": parse_arguments(function.get("arguments")),
+            }
+        )
+    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), stops, bool(calls))
+    usage = UpstreamUsage.from_openai(completion.get("usage"))
+    body = {
+        "id": message_id,
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": usage.anthropic(),
+    }
+    return body, usage
+
+
+def error_message(raw: bytes) -> str:
+    """The upstream's own error text (OpenAI, FastAPI or plain shapes)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return raw.decode("utf-8", "replace")[:2000] or "upstream error"
+    if isinstance(data, dict):
+        error = data.get("error", data.get("detail", data.get("message")))
+        if isinstance(error, dict):
+            return str(error.get("message") or error)
+        if error is not None:
+            return str(error)
+    return json.dumps(data)[:2000]
+
+
+def to_anthropic_error(status: int, raw: bytes) -> tuple[int, dict[str, Any]]:
+    """An OpenAI-style error as Anthropic's; a context overflow says "prompt is too long" (the
+    wording that starts Claude Code's own compaction)."""
+    message = error_message(raw)
+    found = _CONTEXT.search(message)
+    if found and status in (400, 413, 422):
+        limit, requested = found.groups()
+        return 400, error_body(
+            "invalid_request_error", f"prompt is too long: {requested} tokens > {limit} maximum"
+        )
+    if status == 422:
+        status = 400
+    return status, error_body(ERROR_TYPES.get(status, "api_error"), f"upstream: {message}")

@@ -1,0 +1,114 @@
+"""OpenAI chat completion chunks -> Anthropic stream events, as they arrive.
+
+Text deltas open a text block; each tool call index opens a tool_use block whose argument
+fragments go out as `input_json_delta`. Reasoning deltas are dropped. The final usage chunk
+(`stream_options.include_usage`) lands in `message_delta.usage`, which Claude Code reads as the
+whole usage when it carries the full set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ikcode.gateway.sse import sse_event
+
+from .openai_response import UpstreamUsage, new_tool_id, stop_reason
+
+
+class StreamTranslator:
+    def __init__(self, message_id: str, model: str, stops: list[str]):
+        self.message_id = message_id
+        self.model = model
+        self.stops = stops
+        self.index = -1  # index of the open content block
+        self.open_kind: str | None = None  # "text" | "tool_use"
+        self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> our block index
+        self.finish_reason: str | None = None
+        self.matched_stop: Any = None
+        self.usage = UpstreamUsage()
+        self.saw_tools = False
+        self.first_token = False  # a content or tool delta went out
+
+    def start(self) -> bytes:
+        message = {
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": UpstreamUsage().anthropic(),  # the upstream tells usage only at the end
+        }
+        return sse_event({"type": "message_start", "message": message})
+
+    def _open(self, kind: str, block: dict[str, Any]) -> Iterator[bytes]:
+        yield from self._close()
+        self.index += 1
+        self.open_kind = kind
+        yield sse_event({"type": "content_block_start", "index": self.index, "content_block": block})
+
+    def _close(self) -> Iterator[bytes]:
+        if self.open_kind is not None:
+            yield sse_event({"type": "content_block_stop", "index": self.index})
+            self.open_kind = None
+
+    def feed(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+        if chunk.get("usage"):
+            self.usage = UpstreamUsage.from_openai(chunk["usage"])
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                if self.open_kind != "text":
+                    yield from self._open("text", {"type": "text", "text": ""})
+                self.first_token = True
+                yield sse_event(
+                    {
+                        "type": "content_block_delta",
+                        "index": self.index,
+                        "delta": {"type": "text_delta", "text": text},
+                    }
+                )
+            for call in delta.get("tool_calls") or []:
+                yield from self._tool_delta(call)
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+                self.matched_stop = choice.get("stop_reason")
+
+    def _tool_delta(self, call: dict[str, Any]) -> Iterator[bytes]:
+        self.saw_tools = True
+        position = int(call.get("index", len(self.tool_blocks)))
+        function = call.get("function") or {}
+        if position not in self.tool_blocks:
+            block = {
+                "type": "tool_use",
+                "id": call.get("id") or new_tool_id(),
+                "name": function.get("name", ""),
+                "input": {},
+            }
+            yield from self._open("tool_use", block)
+            self.tool_blocks[position] = self.index
+        elif self.tool_blocks[position] != self.index:
+            return  # a late fragment for a block already closed: Anthropic streams cannot reopen it
+        arguments = function.get("arguments")
+        if arguments:
+            self.first_token = True
+            delta = {"type": "input_json_delta", "partial_json": arguments}
+            yield sse_event({"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def stop_reason_now(self) -> str:
+        return stop_reason(self.finish_reason, self.matched_stop, self.stops, self.saw_tools)[0]
+
+    def finish(self) -> Iterator[bytes]:
+        yield from self._close()
+        reason, sequence = stop_reason(self.finish_reason, self.matched_stop, self.stops, self.saw_tools)
+        yield sse_event(
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": self.usage.anthropic(),
+            }
+        )
+        yield sse_event({"type": "message_stop"})

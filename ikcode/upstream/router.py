@@ -1,0 +1,123 @@
+"""Which replica serves a request: the session's own replica first, then its prefix's.
+
+A conversation's KV lives on the replica that served its previous turn, so a session stays put
+(`X-Claude-Code-Session-Id`). A request without a session id goes where its prefix (system
+prompt + first message, stable for a whole conversation) hashes to: rendezvous hashing, so when
+a replica leaves only its keys move. A session moves only when its replica is overloaded (the
+load guard: `max_in_flight` requests there) and another replica has room, or when its replica
+is down; it then sticks to the new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Replica:
+    url: str
+    index: int
+    healthy: bool = True
+    in_flight: int = 0
+    served: int = 0
+    failures: int = 0
+    last_error: str = ""
+    sessions: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return f"r{self.index}"
+
+
+class NoReplica(Exception):
+    """Every replica is down (the client gets a retryable 503)."""
+
+
+def _score(key: str, url: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{key}|{url}".encode(), digest_size=8).digest(), "big")
+
+
+class Router:
+    def __init__(self, urls: list[str], max_in_flight: int):
+        self.replicas = [Replica(url, i) for i, url in enumerate(urls)]
+        self.max_in_flight = max_in_flight
+        self.session_replica: dict[str, Replica] = {}
+        self.moves: Counter[str] = Counter()  # reason -> sessions moved
+        self._lock = threading.Lock()
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.healthy]
+
+    def _by_prefix(self, key: str, candidates: list[Replica]) -> Replica:
+        return max(candidates, key=lambda r: _score(key, r.url))
+
+    def pick(self, session_id: str | None, prefix_key: str, exclude: set[str] = frozenset()) -> Replica:
+        """The replica for this request, with its in-flight count already taken (call `release`)."""
+        with self._lock:
+            up = [r for r in self.replicas if r.healthy and r.url not in exclude]
+            if not up:
+                raise NoReplica("no healthy upstream replica")
+            current = self.session_replica.get(session_id) if session_id else None
+            if current is not None and (not current.healthy or current.url in exclude):
+                self.moves["replica_down"] += 1
+                current = None
+            if current is None:
+                chosen = self._by_prefix(prefix_key, up)
+                if chosen.in_flight >= self.max_in_flight:
+                    chosen = min(up, key=lambda r: (r.in_flight, -_score(prefix_key, r.url)))
+            elif current.in_flight >= self.max_in_flight:
+                # The load guard: move only to a replica that is clearly less loaded.
+                lighter = min(up, key=lambda r: r.in_flight)
+                if lighter.in_flight < current.in_flight - 1:
+                    self.moves["overloaded"] += 1
+                    chosen = lighter
+                else:
+                    chosen = current
+            else:
+                chosen = current
+            if session_id:
+                old = self.session_replica.get(session_id)
+                if old is not chosen:
+                    if old is not None:
+                        old.sessions.discard(session_id)
+                    chosen.sessions.add(session_id)
+                    self.session_replica[session_id] = chosen
+            chosen.in_flight += 1
+            chosen.served += 1
+            return chosen
+
+    def release(self, replica: Replica) -> None:
+        with self._lock:
+            replica.in_flight = max(0, replica.in_flight - 1)
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        """Take a replica out: its sessions are re-routed on their next request."""
+        with self._lock:
+            if replica.healthy:
+                replica.failures += 1
+            replica.healthy = False
+            replica.last_error = reason
+
+    def mark_up(self, replica: Replica) -> None:
+        with self._lock:
+            replica.healthy = True
+            replica.last_error = ""
+
+    def snapshot(self) -> list[dict]:
+        with self._lock:
+            return [
+                {
+                    "replica": r.name,
+                    "url": r.url,
+                    "healthy": r.healthy,
+                    "in_flight": r.in_flight,
+                    "served": r.served,
+                    "sessions": len(r.sessions),
+                    "failures": r.failures,
+                    **({"last_error": r.last_error} if r.last_error else {}),
+                }
+                for r in self.replicas
+            ]

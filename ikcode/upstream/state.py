@@ -1,0 +1,37 @@
+"""Everything one upstream front holds, handed to the route handlers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from ikcode.gateway.request_log import RequestLog
+from ikcode.gateway.settings import GatewaySettings
+
+from .config import UpstreamConfig
+from .metrics import UpstreamMetrics
+from .router import Router
+
+
+@dataclass
+class Upstream:
+    config: UpstreamConfig
+    settings: GatewaySettings  # served model, aliases, auth tokens, request log, ping interval
+    router: Router
+    metrics: UpstreamMetrics
+    log: RequestLog
+    context_window: int
+    client: httpx.AsyncClient | None = None  # opened in the app's lifespan (one per event loop)
+    in_flight: int = 0
+
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            self.client = new_client(self.config)
+        return self.client
+
+
+def new_client(config: UpstreamConfig) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=30)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)

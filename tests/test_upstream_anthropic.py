@@ -1,0 +1,108 @@
+"""kind = "anthropic": ikcode's upstream front forwarding to a real ikcode server (tiny embedded
+engine) over HTTP on 127.0.0.1, through the official SDK."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from tests.test_upstream_support import FRONT_TOKEN, UPSTREAM_TOKEN, EmbeddedReplica, front_records, front_server
+
+SYSTEM = "You are a careful coding agent. " * 20
+SESSION = {"X-Claude-Code-Session-Id": "sess-anthropic-1", "anthropic-beta": "claude-code-20250219,odd-beta-1"}
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    rep = EmbeddedReplica(tmp_path_factory.mktemp("up"))
+    yield rep
+    rep.stop()
+
+
+@pytest.fixture(scope="module")
+def front_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("front")
+
+
+@pytest.fixture(scope="module")
+def front(replica, front_dir):
+    srv = front_server(front_dir, "anthropic", [replica.url])
+    yield srv
+    srv.stop()
+
+
+def client(url: str, key: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, default_headers=SESSION)
+
+
+def test_create_and_stream_with_cache_reported_by_upstream(front, front_dir, replica):
+    sdk = client(front.url, FRONT_TOKEN)
+    messages = [{"role": "user", "content": "list the files under src and explain each " * 8}]
+    first = sdk.messages.create(model="tiny", max_tokens=8, system=SYSTEM, messages=messages)
+    assert first.type == "message" and first.content and first.usage.output_tokens > 0
+    messages += [
+        {"role": "assistant", "content": first.content[0].text or "ok"},
+        {"role": "user", "content": "now the tests"},
+    ]
+    with sdk.messages.stream(model="tiny", max_tokens=8, system=SYSTEM, messages=messages) as stream:
+        events = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert events[0] == "message_start" and "content_block_delta" in events and events[-1] == "message_stop"
+    assert final.usage.cache_read_input_tokens > 0  # the second turn reads the first from the upstream's cache
+    records = front_records(front_dir)[-2:]
+    assert [r["stream"] for r in records] == [False, True]
+    warm = records[1]
+    assert warm["cache_source"] == "reported_by_upstream" and warm["ttft_source"] == "measured_by_ikcode"
+    assert warm["cached_tokens"] == final.usage.cache_read_input_tokens
+    assert warm["prompt_tokens"] == final.usage.input_tokens + final.usage.cache_read_input_tokens
+    assert warm["ttft_ms"] > 0 and warm["replica"] == "r0" and warm["session_id"] == "sess-anthropic-1"
+    upstream_seen = replica.records()[-1]
+    assert upstream_seen["session_id"] == "sess-anthropic-1" and upstream_seen["user"] == "front"
+    health = httpx.get(front.url + "/health").json()
+    assert health["engine"] == "upstream" and health["hit_rate_source"] == "reported_by_upstream"
+    assert health["cached_tokens_reported_by_upstream"] >= warm["cached_tokens"]
+
+
+def test_error_bodies_and_unknown_fields_pass_through_unmodified(front, replica):
+    body = {"model": "tiny", "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}
+    direct = httpx.post(replica.url + "/v1/messages", json=body, headers={"x-api-key": UPSTREAM_TOKEN})
+    via = httpx.post(front.url + "/v1/messages", json=body, headers={"x-api-key": FRONT_TOKEN})
+    assert via.status_code == direct.status_code == 400
+    assert via.content == direct.content  # byte for byte
+    assert via.headers.get("x-should-retry") == direct.headers.get("x-should-retry")
+    wrong_model = httpx.post(
+        front.url + "/v1/messages", json=dict(body, model="nope", max_tokens=4), headers={"x-api-key": FRONT_TOKEN}
+    )
+    assert wrong_model.status_code == 404 and "nope" in wrong_model.json()["error"]["message"]
+    odd = dict(body, max_tokens=4, some_future_field={"nested": [1, 2]}, context_management={"edits": []})
+    ok = httpx.post(front.url + "/v1/messages?beta=true", json=odd, headers={"x-api-key": FRONT_TOKEN})
+    assert ok.status_code == 200 and ok.json()["type"] == "message"
+
+
+def test_count_tokens_forwarded_and_auth_is_the_fronts(front, replica):
+    body = {"model": "tiny", "system": SYSTEM, "messages": [{"role": "user", "content": "count me"}]}
+    direct = httpx.post(replica.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": UPSTREAM_TOKEN})
+    via = httpx.post(front.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": FRONT_TOKEN})
+    assert via.status_code == 200 and via.json() == direct.json() and via.json()["input_tokens"] > 20
+    # The upstream's token does not open the front, and no token at all is a 401 in Anthropic's shape.
+    denied = httpx.post(front.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": UPSTREAM_TOKEN})
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    models = httpx.get(front.url + "/v1/models", headers={"x-api-key": FRONT_TOKEN}).json()
+    assert models["data"][0]["id"] == "tiny" and models["data"][0]["context_window"] == 2048
+
+
+def test_no_healthy_replica_is_a_retryable_503(tmp_path):
+    srv = front_server(tmp_path, "anthropic", ["http://127.0.0.1:9"])  # nothing listens on port 9
+    try:
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        answer = httpx.post(srv.url + "/v1/messages", json=body, headers={"x-api-key": FRONT_TOKEN})
+        assert answer.status_code == 503 and answer.json()["error"]["type"] == "overloaded_error"
+        assert answer.headers["retry-after"] == "2" and answer.headers["x-should-retry"] == "true"
+        metrics = httpx.get(srv.url + "/metrics", headers={"x-api-key": FRONT_TOKEN}).text
+        assert 'ikcode_replica_healthy{replica="r0",url="http://127.0.0.1:9"} 0.0' in metrics
+        assert json.loads(front_records(tmp_path)[-1]["error"])["error"]["type"] == "overloaded_error"
+    finally:
+        srv.stop()

@@ -71,8 +71,34 @@ def _render(gw: Gateway, body: MessagesRequest | CountTokensRequest) -> Rendered
     return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages)
 
 
-def _render_and_lookup(gw: Gateway, body: MessagesRequest, salt: str) -> tuple[RenderedPrompt, CacheLookup]:
+def _log_shared_prefix(
+    gw: Gateway,
+    body: MessagesRequest,
+    session_id: str | None,
+    rendered: RenderedPrompt,
+    record: dict[str, Any],
+) -> None:
+    """How much of this prompt repeats the session's previous one (for the silent-miss check)."""
+    shared = gw.sessions.observe(session_id, rendered.token_ids, [end for _, end in rendered.boundaries])
+    if shared is None:
+        return
+    record["prefix_shared_tokens"] = shared.shared_tokens
+    record["previous_prompt_tokens"] = shared.previous_tokens
+    if shared.segment is not None:
+        in_system = shared.segment == 0 and bool(body.system or body.tools)
+        record["prefix_break"] = "system" if in_system else "messages"
+
+
+def _render_and_lookup(
+    gw: Gateway,
+    body: MessagesRequest,
+    salt: str,
+    session_id: str | None = None,
+    record: dict[str, Any] | None = None,
+) -> tuple[RenderedPrompt, CacheLookup]:
     rendered = _render(gw, body)
+    if record is not None:
+        _log_shared_prefix(gw, body, session_id, rendered, record)
     n = len(rendered.token_ids)
     if n >= gw.context_window or n > gw.settings.predict_usage_max_tokens:
         return rendered, CacheLookup(n)
@@ -99,7 +125,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         if limit is not None and gw.in_flight >= limit:
             raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
         salt = (user or "") if gw.settings.cache_salt_per_user else ""
-        rendered, lookup = await run_in_threadpool(_render_and_lookup, gw, body, salt)
+        rendered, lookup = await run_in_threadpool(_render_and_lookup, gw, body, salt, session_id, record)
         prompt_tokens = len(rendered.token_ids)
         if prompt_tokens >= gw.context_window:
             raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))

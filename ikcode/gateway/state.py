@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ikcode.engines.base import Engine
 from ikcode.gateway.chat_format import TokenizerLike
 from ikcode.gateway.metrics import GatewayMetrics
 from ikcode.gateway.render import Renderer
 from ikcode.gateway.request_log import RequestLog
+from ikcode.gateway.session_prefix import SessionPrefixes
 from ikcode.gateway.settings import GatewaySettings
 
 
@@ -22,3 +23,5 @@ class Gateway:
     log: RequestLog
     context_window: int
     in_flight: int = 0
+    # the latest prompt of each session, to log how much of the next one repeats it
+    sessions: SessionPrefixes = field(default_factory=SessionPrefixes)

@@ -15,6 +15,7 @@ from ikcode import __version__
 # command name -> "module:attribute"
 COMMANDS: dict[str, str] = {
     "bench": "ikcode.cli.bench:bench_command",
+    "doctor": "ikcode.cli.doctor:doctor_command",
     "plan": "ikcode.cli.plan:plan_command",
     "env": "ikcode.cli.launch:env_command",
     "settings": "ikcode.cli.launch:settings_command",

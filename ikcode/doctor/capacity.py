@@ -1,0 +1,104 @@
+"""Capacity: how full the cache tiers are now, and what `ikcode plan` says about active sessions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ikcode.doctor.context import DoctorContext
+from ikcode.doctor.result import CheckResult, passed, warned
+
+NAME = "capacity"
+GAUGES = (
+    "kv_blocks_total",
+    "kv_blocks_used",
+    "kv_blocks_cached",
+    "host_blocks_total",
+    "host_blocks_used",
+    "running",
+    "waiting",
+)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Unlabelled gauges of the Prometheus text format, by name."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#") or "{" in line:
+            continue
+        parts = line.split()
+        if len(parts) >= 2:
+            try:
+                values[parts[0]] = float(parts[1])
+            except ValueError:
+                continue
+    return values
+
+
+def _plan_summary(ctx: DoctorContext) -> dict[str, Any] | None:
+    if not ctx.profile.hardware:
+        return None
+    from ikcode.engines.simulated import HardwareModel
+    from ikcode.plan import plan
+
+    try:
+        hw = HardwareModel.from_dict(ctx.profile.hardware, name=ctx.profile.name)
+    except ValueError:
+        return None
+    context = min(ctx.context_window or ctx.profile.context_window, 450_000)
+    result = plan(hw, context, agents=100)
+    keys = (
+        "context_tokens",
+        "agents",
+        "conversations_on_gpu",
+        "conversations_in_host",
+        "active_at_once",
+        "max_agents_at_this_size",
+        "status",
+    )
+    return {k: result[k] for k in keys}
+
+
+def check_capacity(ctx: DoctorContext) -> CheckResult:
+    response = ctx.client.get("/metrics")
+    metrics = parse_metrics(response.text) if response.status_code == 200 else {}
+    engine = {k: metrics.get(f"ikcode_engine_{k}") for k in GAUGES}
+    planned = _plan_summary(ctx)
+    data: dict[str, Any] = {"engine": engine, "plan": planned}
+    if engine["kv_blocks_total"] is None:
+        detail = "the server exports no engine gauges at /metrics"
+        if planned:
+            detail += f"; plan: {planned['status']}"
+        return warned(NAME, detail, "read the engine's own cache statistics", **data)
+    total, used = engine["kv_blocks_total"] or 0, engine["kv_blocks_used"] or 0
+    cached = engine["kv_blocks_cached"] or 0
+    parts = [f"device tier {used:.0f}/{total:.0f} blocks in use, {cached:.0f} cached"]
+    if engine["host_blocks_total"]:
+        parts.append(
+            f"host tier {engine['host_blocks_used'] or 0:.0f}/{engine['host_blocks_total']:.0f} blocks"
+        )
+    block = ctx.health.get("block_size") or 16
+    window = ctx.context_window or ctx.profile.context_window
+    fits = total * block / window if window else 0
+    data["window_conversations_on_device"] = round(fits, 2)
+    parts.append(f"~{fits:.1f} full-window conversations fit on the device tier")
+    if planned:
+        parts.append(
+            f"plan ({planned['agents']} agents of {planned['context_tokens']:,} tokens): {planned['status']}"
+        )
+    detail = "; ".join(parts)
+    if fits < 1:
+        return warned(
+            NAME,
+            detail,
+            "raise the KV budget (profile [model] kv_cache_mb): one conversation of the "
+            "full window does not fit the cache",
+            **data,
+        )
+    if total and used >= total and (engine["waiting"] or 0) > 0:
+        return warned(
+            NAME,
+            detail + "; requests wait for KV memory",
+            "size the device tier for the sessions active at once (`ikcode plan`)",
+            **data,
+        )
+    return passed(NAME, detail, **data)

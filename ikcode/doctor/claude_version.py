@@ -1,0 +1,59 @@
+"""The installed Claude Code: on PATH (or IKCODE_CLAUDE_BIN), and recent enough.
+
+Before 2.1.181 the attribution line in the system prompt changed on every request, so no prefix
+cache could hold a conversation whatever the server did.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+
+from ikcode.doctor.context import DoctorContext
+from ikcode.doctor.result import CheckResult, passed, warned
+from ikcode.launcher.claude import NPM_HINT
+
+NAME = "claude"
+MIN_VERSION = (2, 1, 181)
+_VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")
+
+
+def find_claude_bin(environ: dict[str, str]) -> str | None:
+    explicit = environ.get("IKCODE_CLAUDE_BIN")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    return shutil.which("claude", path=environ.get("PATH"))
+
+
+def check_claude(ctx: DoctorContext) -> CheckResult:
+    binary = find_claude_bin(ctx.environ)
+    if binary is None:
+        where = ctx.environ.get("IKCODE_CLAUDE_BIN")
+        detail = f"IKCODE_CLAUDE_BIN={where} is not executable" if where else "`claude` is not on PATH"
+        return warned(NAME, detail, f"install Claude Code: {NPM_HINT}")
+    try:
+        out = subprocess.run(
+            [binary, "--version"], capture_output=True, text=True, timeout=30, env=ctx.environ
+        )
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return warned(
+            NAME, f"{binary} --version failed: {err}", f"reinstall Claude Code: {NPM_HINT}", path=binary
+        )
+    match = _VERSION.search(out.stdout or "")
+    if out.returncode != 0 or match is None:
+        return warned(
+            NAME, f"{binary} --version printed no version", f"reinstall Claude Code: {NPM_HINT}", path=binary
+        )
+    version = tuple(int(part) for part in match.groups())
+    text = ".".join(map(str, version))
+    if version < MIN_VERSION:
+        need = ".".join(map(str, MIN_VERSION))
+        return warned(
+            NAME,
+            f"Claude Code {text} at {binary}: before {need} its attribution line changes every request",
+            f"upgrade: {NPM_HINT}@latest",
+            path=binary, version=text,
+        )  # fmt: skip
+    return passed(NAME, f"Claude Code {text} at {binary}", path=binary, version=text)

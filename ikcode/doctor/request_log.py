@@ -1,0 +1,55 @@
+"""The server's request log (JSON lines), read from its tail; where it lives for a local server."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from ikcode import daemon
+from ikcode.stack import is_loopback
+
+TAIL_BYTES = 16 * 1024 * 1024
+NO_LOG_FIX = "run doctor on the server's machine, or pass --request-log PATH (the server's requests.jsonl)"
+
+
+def local_request_log(base_url: str) -> Path | None:
+    """The running local server's request log, when base_url points at it."""
+    state = daemon.read_state()
+    parsed = urlparse(base_url)
+    if state is None or not is_loopback(parsed.hostname or "") or parsed.port != state.port:
+        return None
+    path = daemon.request_log_file()
+    return path if path.is_file() else None
+
+
+def read_records(path: Path | None, max_records: int = 5000) -> list[dict[str, Any]] | None:
+    """The last max_records requests that reached the engine; None when the log is not readable."""
+    if path is None:
+        return None
+    try:
+        with path.open("rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            size = handle.tell()
+            handle.seek(max(0, size - TAIL_BYTES))
+            raw = handle.read()
+    except OSError:
+        return None
+    lines = raw.decode("utf-8", errors="replace").splitlines()
+    if size > TAIL_BYTES and lines:
+        lines = lines[1:]  # the first line may be cut
+    records = []
+    for line in lines[-max_records:]:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("prompt_tokens"), int):
+            records.append(record)
+    return records
+
+
+def cached_tokens(record: dict[str, Any]) -> int:
+    return int(record.get("cached_tokens_device") or 0) + int(record.get("cached_tokens_host") or 0)

@@ -1,0 +1,249 @@
+"""`ikcode doctor` against real servers on 127.0.0.1 (the tiny model behind the real gateway): a
+healthy one passes; a cache that never hits, a settings file that overrides the model and an
+unreachable endpoint each fail the right check with the right reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from ikcode import auth
+from ikcode.cli import main
+from ikcode.doctor import FAIL, PASS, SKIP, WARN, DoctorContext, report, run_checks
+from ikcode.doctor.silent_miss import analyse
+from ikcode.doctor.tail import check_tail
+from ikcode.profiles import load_profile
+from tests.serving import free_port
+from tests.test_gateway_api import serve
+from tests.test_gateway_support import tiny_tokenizer, wait_idle
+from tests.tiny_model import tiny_engine
+
+NETWORK_CHECKS = ["endpoint", "contract", "quality_gate", "silent_miss", "tail", "capacity"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project dir and a user config dir of our own: no settings file of the machine leaks in."""
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "claude-config"))
+    folder = tmp_path / "project"
+    folder.mkdir()
+    return folder
+
+
+def start_server(tokenizer, tmp_path, **engine_config):
+    engine = tiny_engine(kv_memory_bytes=4 * 1024 * 1024, **engine_config)  # a 2048-token window
+    engine.start()
+    token = auth.load_or_create_token()
+    log = tmp_path / "requests.jsonl"
+    server = serve(engine, tokenizer, tmp_path, auth_tokens={"launcher": token}, request_log_path=log)
+    return engine, server, token, log
+
+
+def doctor(url, token, project, log=None, only=None, environ=None):
+    ctx = DoctorContext(
+        profile=load_profile("local"),
+        base_url=url,
+        token=token,
+        project_dir=project,
+        environ=environ if environ is not None else {"PATH": os.environ.get("PATH", "")},
+        request_log=log,
+    )
+    return {r.name: r for r in run_checks(ctx, only)}
+
+
+def test_healthy_tiny_server_passes(tokenizer, tmp_path, project):
+    engine, server, token, log = start_server(tokenizer, tmp_path)
+    try:
+        started = time.monotonic()
+        results = doctor(server.url, token, project, log, only=NETWORK_CHECKS + ["mapping"])
+        elapsed = time.monotonic() - started
+    finally:
+        server.stop()
+        engine.shutdown(drain_timeout_s=1)
+    for name, result in results.items():
+        assert result.status == PASS, (name, result.detail)
+    gate = results["quality_gate"].data["documents"][0]
+    assert gate["match"] and gate["warm_hit_rate"] >= 0.95 and gate["cold_hit_rate"] < 0.5
+    assert gate["prompt_tokens"] > 500 and gate["cold_ttft_s"] > 0 and gate["warm_ttft_s"] > 0
+    assert results["endpoint"].data["model"] == "tiny" and results["endpoint"].data["context_window"] == 2048
+    assert results["silent_miss"].data["repeat_hit_rate"] >= 0.95
+    assert results["capacity"].data["engine"]["kv_blocks_total"] == 512
+    document = report(list(results.values()))
+    assert document["ok"] is True and set(document["checks"][0]) == {
+        "name",
+        "status",
+        "detail",
+        "fix",
+        "data",
+    }
+    json.dumps(document)  # plain JSON
+    assert elapsed < 30
+
+
+def test_cache_that_never_hits_fails_gate_and_silent_miss(tokenizer, tmp_path, project):
+    # The published bug: the cache entry is finalised at the final token, nothing left to commit.
+    engine, server, token, log = start_server(tokenizer, tmp_path, commit_point="final_token")
+    try:
+        results = doctor(server.url, token, project, log, only=NETWORK_CHECKS)
+    finally:
+        server.stop()
+        engine.shutdown(drain_timeout_s=1)
+    gate, miss = results["quality_gate"], results["silent_miss"]
+    assert gate.status == FAIL, gate.detail
+    assert "read only 0.0% from cache" in gate.detail and "silent cache miss" in gate.detail
+    assert "released" in gate.fix or "releases" in gate.fix
+    assert gate.data["documents"][0]["match"]  # the answers still agree: only the cache is broken
+    assert miss.status == FAIL, miss.detail
+    assert "missed the cache although they repeated the previous prompt" in miss.detail
+    assert "the cache never hit" in miss.detail and "final token" in miss.detail
+    assert miss.data["miss_count"] >= 1 and miss.data["any_hit"] is False
+    # the other checks still pass: the endpoint works, it only forgets
+    assert results["endpoint"].status == PASS and results["contract"].status == PASS
+
+
+def test_project_settings_overriding_the_model_fail_mapping(project):
+    settings = project / ".claude" / "settings.json"
+    settings.parent.mkdir()
+    settings.write_text(json.dumps({"env": {"ANTHROPIC_MODEL": "claude-opus-4-8"}}))
+    result = doctor("http://127.0.0.1:1", "tok", project, only=["mapping"])["mapping"]
+    assert result.status == FAIL
+    assert "ANTHROPIC_MODEL=claude-opus-4-8 from project settings" in result.detail
+    assert str(settings) in result.detail and "smollm2-135m-instruct" in result.detail
+    assert "remove ANTHROPIC_MODEL" in result.fix
+    # a stale shell variable alone only warns: `ikcode claude` replaces it in the child
+    settings.unlink()
+    env = {"PATH": os.environ.get("PATH", ""), "ANTHROPIC_MODEL": "claude-opus-4-8"}
+    shell = doctor("http://127.0.0.1:1", "tok", project, only=["mapping"], environ=env)["mapping"]
+    assert shell.status == WARN and "from the shell" in shell.detail
+
+
+def test_unreachable_endpoint_fails_fast(project):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    started = time.monotonic()
+    runner = CliRunner()
+    outcome = runner.invoke(main, ["doctor", "--base-url", url, "--json"], catch_exceptions=False)
+    assert time.monotonic() - started < 5
+    assert outcome.exit_code == 1
+    document = json.loads(outcome.output)
+    assert document["ok"] is False
+    checks = {c["name"]: c for c in document["checks"]}
+    assert checks["endpoint"]["status"] == FAIL
+    assert f"cannot connect to {url}: connection refused" in checks["endpoint"]["detail"]
+    assert "ikcode up" in checks["endpoint"]["fix"]
+    for name in ("contract", "quality_gate", "capacity"):
+        assert checks[name]["status"] == SKIP
+    assert (
+        checks["silent_miss"]["status"] == WARN and "no request log here" in checks["silent_miss"]["detail"]
+    )
+
+
+def test_table_output_and_exit_code(project):
+    outcome = CliRunner().invoke(main, ["doctor", "--base-url", "http://127.0.0.1:1", "--only", "endpoint"])
+    assert outcome.exit_code == 1
+    assert "endpoint" in outcome.output and "fail" in outcome.output
+
+
+def test_claude_version(claude_bin, tmp_path, project):
+    env = {"PATH": os.environ.get("PATH", ""), "IKCODE_CLAUDE_BIN": claude_bin, "HOME": str(tmp_path)}
+    real = doctor("http://127.0.0.1:1", "tok", project, only=["claude"], environ=env)["claude"]
+    assert real.status == PASS and real.data["version"] >= "2.1.181", real.detail
+    old = tmp_path / "claude"
+    old.write_text("#!/bin/sh\necho '2.1.100 (Claude Code)'\n")
+    old.chmod(old.stat().st_mode | stat.S_IEXEC)
+    env["IKCODE_CLAUDE_BIN"] = str(old)
+    outdated = doctor("http://127.0.0.1:1", "tok", project, only=["claude"], environ=env)["claude"]
+    assert outdated.status == WARN and "before 2.1.181" in outdated.detail
+    missing = doctor("http://127.0.0.1:1", "tok", project, only=["claude"], environ={"PATH": str(project)})
+    assert missing["claude"].status == WARN and "not on PATH" in missing["claude"].detail
+
+
+def test_log_tells_a_changed_system_line_from_a_miss(tokenizer, tmp_path):
+    """The gateway logs how much of a prompt repeats the session's previous one."""
+    import httpx
+
+    engine, server, token, log = start_server(tokenizer, tmp_path)
+    headers = {"Authorization": f"Bearer {token}", "X-Claude-Code-Session-Id": "s1"}
+    long_text = "notes " * 200
+    try:
+        for system in ("system line one", "system line one", "system line TWO"):
+            body = {
+                "model": "tiny",
+                "max_tokens": 2,
+                "system": system,
+                "messages": [{"role": "user", "content": long_text}],
+            }
+            assert (
+                httpx.post(server.url + "/v1/messages", json=body, headers=headers, timeout=30).status_code
+                == 200
+            )
+            wait_idle(engine)
+    finally:
+        server.stop()
+        engine.shutdown(drain_timeout_s=1)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    first, same, changed = records
+    assert "prefix_shared_tokens" not in first
+    assert same["prefix_shared_tokens"] == same["previous_prompt_tokens"] == first["prompt_tokens"]
+    assert "prefix_break" not in same
+    assert changed["prefix_break"] == "system" and changed["prefix_shared_tokens"] < 20
+    result = analyse(records)
+    assert (
+        result["miss_count"] == 0 and result["break_count"] == 1 and result["breaks"][0]["where"] == "system"
+    )
+
+
+def _record(session, prompt, cached, ttft_ms, shared=None, second=0):
+    record = {
+        "ts": f"2025-01-01T00:00:{second:02d}+00:00",
+        "session_id": session,
+        "prompt_tokens": prompt,
+        "cached_tokens_device": cached,
+        "cached_tokens_host": 0,
+        "hit_rate": cached / prompt,
+        "ttft_ms": ttft_ms,
+        "duration_ms": 10,
+    }
+    if shared is not None:
+        record["prefix_shared_tokens"] = shared
+    return record
+
+
+def test_silent_miss_blames_eviction_when_the_cache_hits_elsewhere():
+    records = [
+        _record("a", 1000, 0, 500),
+        _record("a", 1200, 992, 50, shared=1000, second=1),
+        _record("b", 1000, 0, 500),
+        _record("b", 1200, 0, 500, shared=1000, second=1),
+        # arrived while the previous turn still ran: its blocks were not committed yet, no miss
+        _record("c", 1000, 0, 500),
+        _record("c", 1200, 0, 500, shared=1000),
+    ]
+    result = analyse(records)
+    assert result["miss_count"] == 1 and result["any_hit"] is True
+    assert result["per_session"]["b"]["misses"] == 1 and result["per_session"]["a"]["misses"] == 0
+
+
+def test_tail_fails_when_warm_turns_queue(tmp_path, project):
+    log = tmp_path / "requests.jsonl"
+    records = [_record(f"s{i}", 1000, 990, 20_000) for i in range(10)]  # warm turns starting after 20 s
+    log.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    ctx = DoctorContext(
+        profile=load_profile("deepinfer-4xb200"),
+        base_url="http://127.0.0.1:1",
+        token=None,
+        project_dir=project,
+        request_log=log,
+    )
+    result = check_tail(ctx)
+    assert result.status == FAIL and "warm turns queue" in result.detail and "target 15 s" in result.detail
+    assert result.data["warm"]["p95_s"] == 20.0

@@ -126,6 +126,16 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
     # SIGTERM while the model loads: leave at once (uvicorn installs its own handler later).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
+        if profile.engine == "upstream":  # an existing server: connect to it, start nothing
+            from ikcode.upstream.profile import upstream_app
+
+            try:
+                app, what = upstream_app(profile, gateway_settings(profile, host, profile.context_window))
+            except ValueError as err:
+                raise daemon.DaemonError(str(err)) from None
+            log.info("%s; serving %s at %s", what, profile.served_model, url)
+            run_server(app, host, port, log_level="warning", graceful_timeout_s=30)
+            return
         stack = build_stack(profile, model_path)
         log.info("%s", stack.description)
         settings = gateway_settings(profile, host, stack.context_window)

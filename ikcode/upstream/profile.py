@@ -1,0 +1,28 @@
+"""The upstream front from a profile (what `ikcode up --profile vllm` serves)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+
+from ikcode.gateway.settings import GatewaySettings
+
+from .app import create_upstream_app
+from .config import UpstreamConfig
+
+
+def upstream_config(table: dict[str, Any], source: str = "profile") -> UpstreamConfig:
+    try:
+        return UpstreamConfig.from_dict(table)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{source}: [upstream] {err}") from None
+
+
+def upstream_app(profile: Any, settings: GatewaySettings) -> tuple[FastAPI, str]:
+    """The app for an `engine = "upstream"` profile, and a line describing it for the log."""
+    config = upstream_config(profile.upstream, profile.source or profile.name)
+    what = f"upstream {config.kind} front over {len(config.urls)} replica(s): {', '.join(config.urls)}"
+    if config.token_env and not config.token:
+        what += f" (warning: ${config.token_env} is not set; no upstream token sent)"
+    return create_upstream_app(config, settings), what

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from ikcode import auth
 from ikcode.cli import main
-from ikcode.doctor import FAIL, PASS, SKIP, WARN, DoctorContext, report, run_checks
+from ikcode.doctor import FAIL, FULL, PASS, QUICK, SKIP, WARN, DoctorContext, report, run_checks
+from ikcode.doctor.quality_gate import document_sizes
 from ikcode.doctor.silent_miss import analyse
 from ikcode.doctor.tail import check_tail
 from ikcode.profiles import load_profile
@@ -247,3 +248,27 @@ def test_tail_fails_when_warm_turns_queue(tmp_path, project):
     result = check_tail(ctx)
     assert result.status == FAIL and "warm turns queue" in result.detail and "target 15 s" in result.detail
     assert result.data["warm"]["p95_s"] == 20.0
+
+
+def test_document_sizes_follow_the_window():
+    assert document_sizes(8192, QUICK) == [2500]
+    assert document_sizes(2048, QUICK) == [921]
+    full = document_sizes(8192, FULL)
+    assert len(full) == 3 and max(full) <= 8192 - 512
+    big = document_sizes(1_000_000, FULL)
+    assert len(big) == 5 and max(big) == 200_000
+
+
+def test_full_mode_asks_several_documents(tokenizer, tmp_path, project):
+    engine, server, token, log = start_server(tokenizer, tmp_path)
+    try:
+        ctx = DoctorContext(profile=load_profile("local"), base_url=server.url, token=token, mode=FULL,
+                            project_dir=project, request_log=log)  # fmt: skip
+        gate = {r.name: r for r in run_checks(ctx, ["quality_gate"])}["quality_gate"]
+    finally:
+        server.stop()
+        engine.shutdown(drain_timeout_s=1)
+    assert gate.status == PASS, gate.detail
+    sizes = [d["prompt_tokens"] for d in gate.data["documents"]]
+    assert len(sizes) == 3 and sizes == sorted(sizes) and sizes[-1] > 1500
+    assert all(d["match"] and d["warm_hit_rate"] >= 0.95 for d in gate.data["documents"])

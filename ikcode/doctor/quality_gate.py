@@ -15,7 +15,7 @@ from ikcode.doctor.result import CheckResult, failed, passed, warned
 
 NAME = "quality_gate"
 MIN_WARM_HIT = 0.95
-QUICK_TOKENS = 3000  # a few seconds of CPU prefill: quick mode stays well under a minute
+QUICK_TOKENS = 2500  # a few seconds of CPU prefill: quick mode stays well under a minute
 MAX_TOKENS = 200_000
 CHARS_PER_TOKEN_GUESS = 4.0
 RELEASE_PAUSE_S = 0.3  # engines commit a prefix when they release the sequence, just after the reply

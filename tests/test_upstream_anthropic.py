@@ -9,10 +9,19 @@ import anthropic
 import httpx
 import pytest
 
-from tests.test_upstream_support import FRONT_TOKEN, UPSTREAM_TOKEN, EmbeddedReplica, front_records, front_server
+from tests.test_upstream_support import (
+    FRONT_TOKEN,
+    UPSTREAM_TOKEN,
+    EmbeddedReplica,
+    front_records,
+    front_server,
+)
 
 SYSTEM = "You are a careful coding agent. " * 20
-SESSION = {"X-Claude-Code-Session-Id": "sess-anthropic-1", "anthropic-beta": "claude-code-20250219,odd-beta-1"}
+SESSION = {
+    "X-Claude-Code-Session-Id": "sess-anthropic-1",
+    "anthropic-beta": "claude-code-20250219,odd-beta-1",
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +60,9 @@ def test_create_and_stream_with_cache_reported_by_upstream(front, front_dir, rep
         events = [event.type for event in stream]
         final = stream.get_final_message()
     assert events[0] == "message_start" and "content_block_delta" in events and events[-1] == "message_stop"
-    assert final.usage.cache_read_input_tokens > 0  # the second turn reads the first from the upstream's cache
+    assert (
+        final.usage.cache_read_input_tokens > 0
+    )  # the second turn reads the first from the upstream's cache
     records = front_records(front_dir)[-2:]
     assert [r["stream"] for r in records] == [False, True]
     warm = records[1]
@@ -74,7 +85,9 @@ def test_error_bodies_and_unknown_fields_pass_through_unmodified(front, replica)
     assert via.content == direct.content  # byte for byte
     assert via.headers.get("x-should-retry") == direct.headers.get("x-should-retry")
     wrong_model = httpx.post(
-        front.url + "/v1/messages", json=dict(body, model="nope", max_tokens=4), headers={"x-api-key": FRONT_TOKEN}
+        front.url + "/v1/messages",
+        json=dict(body, model="nope", max_tokens=4),
+        headers={"x-api-key": FRONT_TOKEN},
     )
     assert wrong_model.status_code == 404 and "nope" in wrong_model.json()["error"]["message"]
     odd = dict(body, max_tokens=4, some_future_field={"nested": [1, 2]}, context_management={"edits": []})
@@ -84,11 +97,15 @@ def test_error_bodies_and_unknown_fields_pass_through_unmodified(front, replica)
 
 def test_count_tokens_forwarded_and_auth_is_the_fronts(front, replica):
     body = {"model": "tiny", "system": SYSTEM, "messages": [{"role": "user", "content": "count me"}]}
-    direct = httpx.post(replica.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": UPSTREAM_TOKEN})
+    direct = httpx.post(
+        replica.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": UPSTREAM_TOKEN}
+    )
     via = httpx.post(front.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": FRONT_TOKEN})
     assert via.status_code == 200 and via.json() == direct.json() and via.json()["input_tokens"] > 20
     # The upstream's token does not open the front, and no token at all is a 401 in Anthropic's shape.
-    denied = httpx.post(front.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": UPSTREAM_TOKEN})
+    denied = httpx.post(
+        front.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": UPSTREAM_TOKEN}
+    )
     assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
     models = httpx.get(front.url + "/v1/models", headers={"x-api-key": FRONT_TOKEN}).json()
     assert models["data"][0]["id"] == "tiny" and models["data"][0]["context_window"] == 2048
@@ -97,7 +114,12 @@ def test_count_tokens_forwarded_and_auth_is_the_fronts(front, replica):
 def test_no_healthy_replica_is_a_retryable_503(tmp_path):
     srv = front_server(tmp_path, "anthropic", ["http://127.0.0.1:9"])  # nothing listens on port 9
     try:
-        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+        body = {
+            "model": "tiny",
+            "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+        }
         answer = httpx.post(srv.url + "/v1/messages", json=body, headers={"x-api-key": FRONT_TOKEN})
         assert answer.status_code == 503 and answer.json()["error"]["type"] == "overloaded_error"
         assert answer.headers["retry-after"] == "2" and answer.headers["x-should-retry"] == "true"

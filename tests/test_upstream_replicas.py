@@ -15,7 +15,9 @@ from tests.test_upstream_support import FRONT_TOKEN, EmbeddedReplica, front_reco
 pytestmark = pytest.mark.slow
 
 
-def _turns(front_url: str, session: str, turns: int, outcomes: list, start_barrier=None, max_attempts: int = 2):
+def _turns(
+    front_url: str, session: str, turns: int, outcomes: list, start_barrier=None, max_attempts: int = 2
+):
     """One agent: a growing conversation, streamed; a failed attempt is retried once, like a client."""
     messages = [{"role": "user", "content": f"session {session}: read the repository layout " * 6}]
     headers = {"x-api-key": FRONT_TOKEN, "X-Claude-Code-Session-Id": session}
@@ -23,12 +25,24 @@ def _turns(front_url: str, session: str, turns: int, outcomes: list, start_barri
         for turn in range(turns):
             if start_barrier is not None and turn == 2:
                 start_barrier.wait(30)
-            body = {"model": "tiny", "max_tokens": 4, "system": f"agent {session}", "messages": messages, "stream": True}
+            body = {
+                "model": "tiny",
+                "max_tokens": 4,
+                "system": f"agent {session}",
+                "messages": messages,
+                "stream": True,
+            }
             for _attempt in range(max_attempts):
                 try:
-                    with client.stream("POST", front_url + "/v1/messages", json=body, headers=headers) as resp:
+                    with client.stream(
+                        "POST", front_url + "/v1/messages", json=body, headers=headers
+                    ) as resp:
                         text = resp.read().decode()
-                    ok = resp.status_code == 200 and "event: message_stop" in text and "event: error" not in text
+                    ok = (
+                        resp.status_code == 200
+                        and "event: message_stop" in text
+                        and "event: error" not in text
+                    )
                 except httpx.HTTPError:
                     ok = False
                 outcomes.append((session, turn, ok))
@@ -90,7 +104,9 @@ def test_killed_replica_loses_no_session_for_more_than_one_retry(tmp_path):
         outcomes: list = []
         sessions = [f"kill-{i}" for i in range(6)]
         barrier = threading.Barrier(len(sessions) + 1)
-        threads = [threading.Thread(target=_turns, args=(front.url, s, 5, outcomes, barrier)) for s in sessions]
+        threads = [
+            threading.Thread(target=_turns, args=(front.url, s, 5, outcomes, barrier)) for s in sessions
+        ]
         for t in threads:
             t.start()
         barrier.wait(60)  # every session has done two turns

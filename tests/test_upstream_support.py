@@ -35,7 +35,9 @@ class EmbeddedReplica:
             ping_interval_s=0.2,
         )
         values.update(settings)
-        self.server = BackgroundServer(create_app(self.engine, tiny_tokenizer(), GatewaySettings(**values))).start()
+        self.server = BackgroundServer(
+            create_app(self.engine, tiny_tokenizer(), GatewaySettings(**values))
+        ).start()
         self.url = self.server.url
         self.stopped = False
 

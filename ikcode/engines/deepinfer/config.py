@@ -1,0 +1,105 @@
+"""Settings of the DeepInfer adapter, and the environment its ranks run with."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+KVSTORE_GRAIN = 128  # DeepInfer's KV block: 128 tokens (model_metadata_utils.py:133-135)
+
+# What a resumed prefix needs (facts: "What a resumed prefix needs"), plus the deterministic
+# settings the quality gate relies on (cached and cold answers equal at temperature 0).
+REQUIRED_ENVIRONMENT: dict[str, str] = {
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact",  # bounded replay; the loader asserts it
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "140",
+    "DEEPINFER_PREFILL_STORE_EXTRA_STATE": "1",  # keep the window at the last 128 boundary
+    "DEEPINFER_BATCH_INVARIANT": "1",
+    "DEEPINFER_ENABLE_MTP_VARLEN": "0",
+}
+
+
+@dataclass
+class DeepInferConfig:
+    model: str  # local Hugging Face folder of DeepSeek-V4.1-Flash
+    data_parallel_size: int = 1
+    max_model_len: int = 131072  # DeepInfer's default is 4096: always set it explicitly
+    max_num_seqs: int = 64
+    gpu_memory_utilization: float = 0.9
+    chunked_prefill: int = 8192
+    served_model: str = "deepseek-v4.1-flash"
+    eos_token_ids: tuple[int, ...] | None = None  # None: read from <model>/config.json
+    vocab_size: int | None = None  # None: read from <model>/config.json
+    seed: int = 0  # seq_seed of every request: deterministic sampling
+    # The cache on DeepInfer.
+    gpu_tier_fraction: float = 0.6  # share of a rank's KV blocks the cache may keep pinned
+    host_tier_blocks_per_rank: int = 0  # 128-token pages of host RAM per rank (0 = no host tier)
+    write_through: bool = False  # copy committed pages to the host tier at once
+    prefill_watermark: float = 0.9  # the engine stalls prefill admission past this usage
+    commit_point: Literal["release", "final_token"] = "release"  # "final_token": the published bug
+    # Session affinity: a session stays on its rank unless that rank runs this many more
+    # requests than the least loaded one.
+    affinity_max_imbalance: int = 8
+    idle_wait_s: float = 0.01
+    dist_init_addr: str = "127.0.0.1:29500"
+    visible_devices: str = ""  # CUDA_VISIBLE_DEVICES; "" = the first data_parallel_size cards
+    environment: dict[str, str] = field(default_factory=dict)  # on top of REQUIRED_ENVIRONMENT
+    engine_args: dict[str, Any] = field(default_factory=dict)  # extra EngineArgs fields
+
+    def validate(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.max_model_len <= KVSTORE_GRAIN:
+            raise ValueError(f"max_model_len must be > {KVSTORE_GRAIN}, got {self.max_model_len}")
+        if not 0.0 <= self.gpu_tier_fraction < self.prefill_watermark:
+            raise ValueError("gpu_tier_fraction must be in [0, prefill_watermark)")
+        if self.commit_point not in ("release", "final_token"):
+            raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")
+
+    @property
+    def yoco_keep_tokens(self) -> int:
+        return int(self.process_environment()["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
+
+    def process_environment(self) -> dict[str, str]:
+        """Variables set before deepinfer is imported (the ranks share this process)."""
+        env = dict(REQUIRED_ENVIRONMENT)
+        env.update({k: str(v) for k, v in self.environment.items()})
+        env["CUDA_VISIBLE_DEVICES"] = self.visible_devices or ",".join(
+            str(i) for i in range(self.data_parallel_size)
+        )
+        return env
+
+    def model_facts(self) -> tuple[tuple[int, ...], int]:
+        """EOS ids and vocabulary size: given, or from the model folder's config.json."""
+        eos, vocab = self.eos_token_ids, self.vocab_size
+        if eos is None or vocab is None:
+            path = Path(self.model) / "config.json"
+            try:
+                cfg = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as err:
+                raise ValueError(f"cannot read the model's config.json at {path}: {err}") from None
+            raw = cfg.get("eos_token_id")
+            eos = eos if eos is not None else tuple(raw if isinstance(raw, list) else [raw])
+            vocab = vocab if vocab is not None else int(cfg["vocab_size"])
+        return tuple(int(e) for e in eos), int(vocab)
+
+    @classmethod
+    def from_profile(cls, profile: Any, model_path: str | None = None) -> DeepInferConfig:
+        """From a profile: [model] path / max_num_seqs, context_window, [hardware] cards,
+        [cache] host tier and policy knobs (the profile schema has no [deepinfer] table yet)."""
+        cache = dict(profile.cache)
+        page_bytes = int(profile.hardware.get("kv_bytes_per_token", 0)) * KVSTORE_GRAIN
+        host_mb = int(cache.get("host_cache_mb", 0))
+        host_blocks = host_mb * 1024 * 1024 // page_bytes if page_bytes and host_mb else 0
+        cards = int(profile.hardware.get("cards", 1))
+        return cls(
+            model=model_path or profile.model.path,
+            data_parallel_size=cards,
+            max_model_len=profile.context_window,
+            max_num_seqs=profile.model.max_num_seqs,
+            served_model=profile.served_model,
+            gpu_memory_utilization=float(cache.get("gpu_memory_utilization", 0.9)),
+            gpu_tier_fraction=float(cache.get("gpu_tier_fraction", 0.6)),
+            host_tier_blocks_per_rank=host_blocks // max(1, cards),
+        )

@@ -1,0 +1,337 @@
+"""One DeepInfer data-parallel rank: its LLMEngine, its cache, and the work its engine thread does.
+
+Every engine call (add_request, try_allocate_seq, abort, step, page copies) happens on the rank's
+engine thread: the C++ scheduler releases the GIL while it mutates its queues (facts: Threading).
+Callers hand work over through `inbox` / `aborts` under `lock`. The lockstep loop that calls
+`prepare` / `drive` on every rank lives in engine.py.
+
+Gaps DeepInfer leaves to the server, filled here (facts: "Gaps the server fills"): EOS is emitted
+as a token (stripped), stop ids and max_tokens are enforced here, rejected requests echo the
+prompt's last token (never streamed), aborted RUNNING requests get no final output (the stream is
+closed here). The cache is committed in finalize_seq, when the engine really frees the sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ikcode.cache import hash_blocks
+from ikcode.engines.base import (
+    EngineError,
+    EngineOverloaded,
+    EngineShutdown,
+    FinishReason,
+    LifecycleKind,
+    PromptTooLong,
+    TokenEvent,
+)
+from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
+from ikcode.engines.deepinfer.rank_cache import RankCache
+from ikcode.engines.deepinfer.request import RankRequest
+
+log = logging.getLogger(__name__)
+
+Emit = Callable[[LifecycleKind, RankRequest], None]
+_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+NO_BINDING = (
+    "this deepinfer build does not expose Sequence.block_table: apply ikcode's patch "
+    "(ikcode/engines/deepinfer/patches/README.md) and rebuild"
+)
+
+
+def caching_engine_class(base: type) -> type:
+    """DeepInfer's LLMEngine with finalize_seq overridden: cache work first, then the parent
+    frees the sequence (facts: "Commit inside finalize_seq (override it, ...)")."""
+
+    class CachingLLMEngine(base):  # type: ignore[misc, valid-type]
+        ikcode_rank: RankWorker | None = None
+
+        def finalize_seq(self, seq: Any) -> None:
+            if self.ikcode_rank is not None:
+                try:
+                    self.ikcode_rank.on_finalize(seq)
+                except Exception:
+                    log.exception("cache commit failed for %s", getattr(seq, "request_id", "?"))
+            super().finalize_seq(seq)
+
+    return CachingLLMEngine
+
+
+class RankWorker:
+    def __init__(
+        self, rank: int, backend: Any, config: DeepInferConfig, eos_ids: tuple[int, ...], emit: Emit
+    ):
+        self.rank = rank
+        self.backend = backend
+        self.config = config
+        self.eos_ids = frozenset(eos_ids)
+        self.emit = emit
+        args = backend.EngineArgs(
+            model=config.model, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+            gpu_memory_utilization=config.gpu_memory_utilization, chunked_prefill=config.chunked_prefill,
+            data_parallel_size=config.data_parallel_size, engine_rank=rank, **config.engine_args,
+        )  # fmt: skip
+        self.engine = caching_engine_class(backend.LLMEngine).from_engine_args(args)
+        self.engine.ikcode_rank = self
+        self.scheduler = self.engine.scheduler
+        self.total_blocks = self.scheduler.get_num_free_blocks()  # nothing allocated yet
+        slots = int(self.total_blocks * config.gpu_tier_fraction)
+        self.cache = RankCache(
+            self.engine, slots, config.host_tier_blocks_per_rank, KVSTORE_GRAIN, config.write_through
+        )
+        # Free blocks that keep block usage under the prefill watermark (scheduler.hpp:80, 313).
+        self.reserve_blocks = int(np.ceil((1.0 - config.prefill_watermark) * self.total_blocks)) + 1
+        self.lock = threading.Lock()  # inbox, aborts, live, and cache reads from other threads
+        self.inbox: deque[RankRequest] = deque()
+        self.aborts: list[str] = []
+        self.pending: deque[RankRequest] = deque()  # not yet allocated in the engine
+        self.live: dict[str, RankRequest] = {}  # submitted and not yet released
+        self.abort_all_error: EngineError | None = None
+
+    # ---- called from other threads --------------------------------------------------------------
+    def hand_in(self, r: RankRequest) -> None:
+        with self.lock:
+            self.live[r.request_id] = r
+            self.inbox.append(r)
+
+    def request_abort(self, request_id: str) -> None:
+        with self.lock:
+            self.aborts.append(request_id)
+
+    def num_active(self) -> int:
+        with self.lock:
+            return len(self.live)
+
+    # ---- engine thread: before the step ---------------------------------------------------------
+    def prepare(self) -> bool:
+        """Take new work and aborts, admit what fits, evict for the watermark. True if busy."""
+        with self.lock:
+            new, self.inbox = list(self.inbox), deque()
+            aborts, self.aborts = self.aborts, []
+        self.pending.extend(new)
+        for request_id in aborts:
+            self._abort(request_id, None)
+        if self.abort_all_error is not None:
+            for request_id in list(self.live):
+                self._abort(request_id, self.abort_all_error)
+        self._admit_pending()
+        if self.live:
+            with self.lock:
+                self.cache.evict_for(self.reserve_blocks)
+        with self.lock:
+            return bool(self.live)
+
+    def _admit_pending(self) -> None:
+        while self.pending:
+            r = self.pending[0]
+            try:
+                added = r.seq is not None or self._add(r)
+            except Exception as exc:
+                self.pending.popleft()
+                if r.seq is not None:
+                    self.engine.abort_request(r.request_id)
+                self._fail(r, exc)
+                continue
+            if not added:
+                self.pending.popleft()
+                continue
+            blocks = -(-len(r.request.prompt_token_ids) // KVSTORE_GRAIN)
+            with self.lock:
+                self.cache.evict_for(blocks + self.reserve_blocks)
+            if not self.scheduler.try_allocate_seq(r.seq):
+                if any(x.admitted for x in self.live.values()):
+                    return  # back-pressure: memory comes back as running requests finish
+                self.pending.popleft()
+                free = self.scheduler.get_num_free_blocks()
+                self._fail(r, EngineOverloaded(f"rank {self.rank}: needs {blocks} KV blocks, {free} free"))
+                continue
+            self.pending.popleft()
+            try:
+                self._resume(r)
+            except Exception as exc:
+                log.exception("admission of %s failed", r.request_id)
+                self.scheduler.free_seq(r.seq)  # allocated by try_allocate_seq, never added
+                with self.lock:
+                    self.cache.drop(r.request_id)
+                self._fail(r, exc)
+
+    def _add(self, r: RankRequest) -> bool:
+        s = r.request.sampling
+        params = self.backend.SamplingParams(
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
+            max_tokens=s.max_tokens, seq_seed=s.seed if s.seed is not None else self.config.seed,
+        )  # fmt: skip
+        prompt = np.asarray(r.request.prompt_token_ids, dtype=np.int32)
+        user = r.request.cache_salt or "ikcode"
+        r.seq = self.engine.add_request(user, r.request_id, params, prompt, enqueue=False)
+        if r.seq is None:
+            r.rejected = True  # the next step's output echoes the prompt's last token and says why
+            return False
+        if not hasattr(r.seq, "block_table"):
+            raise RuntimeError(NO_BINDING)
+        return True
+
+    def _resume(self, r: RankRequest) -> None:
+        """The cache hit (if any) into the allocated sequence, then hand it to the scheduler."""
+        prompt_len = len(r.request.prompt_token_ids)
+        with self.lock:
+            n = self.cache.resumable_blocks(r.hashes, prompt_len, self.config.yoco_keep_tokens)
+            device, host = self.cache.admit(r.seq, r.request_id, r.hashes, n, r.request.session_id)
+        self.scheduler.add_sequence(r.seq)
+        r.admitted = True
+        r.stats.cached_tokens_device, r.stats.cached_tokens_host = device, host
+        r.stats.computed_tokens = prompt_len - device - host
+        r.stats.admitted_at = time.monotonic()
+        self.emit(LifecycleKind.ADMITTED, r)
+
+    # ---- engine thread: the step and its outputs ------------------------------------------------
+    def drive(self, any_unfinished: bool) -> None:
+        """One lockstep iteration (entrypoints/llm.py:176-186); outputs copied at once, since the
+        next step() releases them (pybind_output.cpp:12-35)."""
+        try:
+            outs = self.engine.step() if any_unfinished else self.engine.flush_inflight_reqs()
+            copied = [(o.request_id, o.token_id, o.finish_reason, bool(o.finished)) for o in outs]
+        except Exception as exc:
+            log.exception("rank %d: engine step failed", self.rank)
+            self.fail_everything(exc)
+            raise
+        for request_id, token, reason, finished in copied:
+            r = self.live.get(request_id)
+            if r is not None:
+                self._on_output(r, int(token), reason, finished)
+
+    def _on_output(self, r: RankRequest, token: int, reason: str | None, finished: bool) -> None:
+        if r.rejected:  # the echoed prompt token is not an answer
+            n = len(r.request.prompt_token_ids)
+            err: EngineError = (
+                PromptTooLong(n, self.config.max_model_len - 1)
+                if reason == "prompt_length_exceeded"
+                else EngineOverloaded(f"deepinfer rejected the request: {reason}")
+            )
+            self._fail(r, err)
+            return
+        r.engine_tokens.append(token)
+        r.engine_finished = r.engine_finished or finished
+        if r.closed:
+            return
+        s = r.request.sampling
+        first = r.stats.first_token_at is None
+        if first:
+            r.stats.first_token_at = time.monotonic()
+            self.emit(LifecycleKind.FIRST_TOKEN, r)
+        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            self._close(r, FinishReason.STOP, [])  # EOS / stop id: stripped from the stream
+            return
+        r.num_streamed += 1
+        r.stats.output_tokens = r.num_streamed
+        if r.num_streamed >= s.max_tokens:
+            self._close(r, FinishReason.LENGTH, [token])
+        elif finished:
+            self._close(r, _REASONS.get(reason or "", FinishReason.STOP), [token])
+        else:
+            stats = dataclasses.replace(r.stats) if first else None
+            r.stream.put(TokenEvent(r.request_id, [token], stats=stats))
+
+    def _close(
+        self, r: RankRequest, reason: FinishReason, tokens: list[int], error: EngineError | None = None
+    ) -> None:
+        """The stream's final event. The engine may hold the sequence for steps more: the cache
+        entry waits for finalize_seq, unless this is the final-token variant (the published bug)."""
+        r.closed = True
+        r.stats.finished_at = time.monotonic()
+        self.emit(LifecycleKind.FINISHED, r)
+        event = TokenEvent(r.request_id, tokens, True, reason, dataclasses.replace(r.stats), error)
+        r.stream.put(event)
+        if self.config.commit_point == "final_token" and r.admitted:
+            with self.lock:
+                self.cache.drop(r.request_id)  # finalised now: nothing is left to commit at release
+        if r.admitted and not r.engine_finished:
+            self.engine.abort_request(r.request_id)  # stop id or max_tokens: the engine stops too
+
+    # ---- release: finalize_seq ------------------------------------------------------------------
+    def on_finalize(self, seq: Any) -> None:
+        """Inside finalize_seq, before the parent frees blocks and state: commit the valid blocks
+        (seq.num_cached_tokens of them are valid at close: len - 1 for a finished sequence)."""
+        r = self.live.get(seq.request_id)
+        if r is None:
+            return
+        if not r.closed:  # an aborted RUNNING sequence emits no final output
+            self._close(r, FinishReason.ABORT, [])
+        with self.lock:
+            if r.failed:
+                self.cache.drop(r.request_id)
+            elif r.request_id in self.cache.cache._seqs:  # noqa: SLF001 - dropped by the final-token variant
+                valid = min(int(seq.num_cached_tokens), len(r.engine_tokens))
+                full = valid // KVSTORE_GRAIN * KVSTORE_GRAIN
+                keys = hash_blocks(r.engine_tokens[:full], KVSTORE_GRAIN, r.request.cache_salt)
+                self.cache.commit(seq, r.request_id, keys)
+        self._release(r)
+
+    def _release(self, r: RankRequest) -> None:
+        if r.stats.released_at is not None:
+            return
+        r.stats.released_at = time.monotonic()
+        with self.lock:
+            self.live.pop(r.request_id, None)
+        self.emit(LifecycleKind.RELEASED, r)
+
+    # ---- aborts and failures --------------------------------------------------------------------
+    def _abort(self, request_id: str, error: EngineError | None) -> None:
+        r = self.live.get(request_id)
+        if r is None or r.closed:
+            return
+        if not r.admitted:  # still ours: nothing allocated in the engine
+            if r in self.pending:
+                self.pending.remove(r)
+            if r.seq is not None:
+                self.engine.abort_request(request_id)
+            self._close(r, FinishReason.ABORT, [], error)
+            self._release(r)
+        elif _is_waiting(r.seq):
+            # An aborted WAITING sequence never reaches finalize_seq: free what it holds ourselves.
+            self._close(r, FinishReason.ABORT, [], error)  # aborts it in the engine
+            self.scheduler.free_seq(r.seq)
+            with self.lock:
+                self.cache.drop(request_id)
+            self._release(r)
+        else:
+            self._close(r, FinishReason.ABORT, [], error)  # no final output will come
+
+    def _fail(self, r: RankRequest, exc: BaseException) -> None:
+        r.failed = True
+        if not r.closed:
+            err = exc if isinstance(exc, EngineError) else EngineError(f"internal engine error: {exc!r}")
+            self._close(r, FinishReason.ERROR, [], err)
+        if not r.admitted:
+            self._release(r)
+
+    def fail_everything(self, exc: BaseException) -> None:
+        for r in list(self.live.values()):
+            self._fail(r, exc)
+            if r.admitted:
+                try:
+                    self.engine.abort_request(r.request_id)
+                    self.scheduler.free_seq(r.seq)
+                except Exception:
+                    log.exception("could not free %s", r.request_id)
+                with self.lock:
+                    self.cache.drop(r.request_id)
+                self._release(r)
+        self.pending.clear()
+
+    def shutdown_requests(self) -> None:
+        self.abort_all_error = EngineShutdown()
+
+
+def _is_waiting(seq: Any) -> bool:
+    """Still queued in the engine (not yet scheduled). Read from the bound status enum."""
+    status = getattr(seq, "status", None)
+    return str(getattr(status, "name", status)).upper().endswith("WAITING")

@@ -1,0 +1,52 @@
+"""Which rank serves a request: session affinity across data-parallel ranks, with a load guard.
+
+The GPU tier is per rank (facts: Several GPUs), so a conversation must come back to the rank that
+holds its prefix: first by X-Claude-Code-Session-Id (EngineRequest.session_id), then by the rank
+whose cache holds the longest prefix of the prompt, else the least loaded rank (ties: the one with
+the fewest sessions, so new conversations spread over the ranks). A rank more than
+`max_imbalance` requests busier than the least loaded one is passed over (a cold prefill elsewhere
+beats a long queue).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class SessionRouter:
+    def __init__(self, num_ranks: int, max_imbalance: int, max_sessions: int = 100_000):
+        self.num_ranks = num_ranks
+        self.max_imbalance = max_imbalance
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._per_rank = [0] * num_ranks  # sessions routed to each rank
+        self._lock = threading.Lock()
+
+    def route(
+        self, session_id: str | None, cached_blocks: Callable[[int], int], load: Callable[[int], int]
+    ) -> int:
+        """cached_blocks(rank): blocks of this prompt cached on rank; load(rank): its requests."""
+        loads = [load(r) for r in range(self.num_ranks)]
+        least = min(loads)
+        fits = [r for r in range(self.num_ranks) if loads[r] - least <= self.max_imbalance]
+        with self._lock:
+            known = self._sessions.get(session_id) if session_id else None
+            if known is not None and known in fits:
+                choice = known
+            else:
+                held = {r: cached_blocks(r) for r in fits}
+                best = max(held.values(), default=0)
+                candidates = [r for r in fits if held[r] == best] if best else fits
+                choice = min(candidates, key=lambda r: (loads[r], self._per_rank[r], r))
+            if session_id and choice != known:
+                if known is not None:
+                    self._per_rank[known] -= 1
+                self._per_rank[choice] += 1
+                self._sessions[session_id] = choice
+            if session_id:
+                self._sessions.move_to_end(session_id)
+                while len(self._sessions) > self.max_sessions:
+                    self._per_rank[self._sessions.popitem(last=False)[1]] -= 1
+        return choice

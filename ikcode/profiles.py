@@ -50,6 +50,8 @@ class ModelSection(_Section):
     kv_cache_mb: int = Field(512, ge=1)
     max_num_seqs: int = Field(8, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Used when a request names no temperature (Claude Code's main loop never does).
+    default_temperature: float = Field(1.0, ge=0.0, le=2.0)
 
 
 class ClaudeSection(_Section):

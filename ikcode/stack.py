@@ -102,6 +102,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
         auth_tokens=tokens,
         bind_loopback=is_loopback(host),
         request_log_path=daemon.request_log_file(),
+        default_temperature=profile.model.default_temperature,
     )
 
 

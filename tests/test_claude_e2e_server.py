@@ -23,12 +23,12 @@ def _log_lines() -> list[dict]:
 
 def test_two_turns_through_ikcode_up(tmp_path, claude_bin, claude_home):
     home, project = claude_home
-    profile = local_profile(tmp_path, free_port(), max_output_tokens=48)
+    profile = local_profile(tmp_path, free_port(), max_output_tokens=256)
     env = _claude_env(claude_bin, home)
     started = ikcode("up", "--profile", str(profile))
     assert started.returncode == 0, started.stderr
     try:
-        first = ikcode("claude", "--profile", str(profile), "--", "-p", "Name one planet. One word.",
+        first = ikcode("claude", "--profile", str(profile), "--", "-p", "Name one planet.",
                        "--output-format", "json", env=env, cwd=project, timeout=600)
         assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
         result = json.loads(first.stdout)

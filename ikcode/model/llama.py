@@ -12,10 +12,17 @@ are not a multiple of 4 split badly), and the SDPA kernel cuts queries and keys 
 tiles. A token therefore gets the same numbers whatever else is in the batch, and whether its prefix
 came from the cache or was computed, when:
 - prompt rows go through matmuls of a multiple of 4 rows (padding rows added by the caller) and
-  each decode row through its own one-row matmul (`RowGroups`);
-- attention sees keys padded to a multiple of KEY_TILE (one fixed key tiling; padding is masked)
-  and a query count whose last query tile is not a 1-3 row remainder (`padded_query_rows`).
-tests/test_engine_determinism.py checks the outcome token for token.
+  each decode row through its own one-row matmul (`ForwardBatch.row_groups`), the output layer included;
+- prompt attention sees keys padded to a multiple of KEY_TILE (one fixed key tiling; padding is
+  masked) and a query count whose last query tile is not a 1-3 row remainder (`padded_query_rows`);
+- decode attention (one new token of a sequence that is generating) always takes the same shape:
+  one query per head over exactly the sequence's keys, no mask, so it needs no padding at all.
+tests/test_engine_determinism.py checks the outcome token for token and K/V bit for bit.
+
+Speed. GQA runs with the query heads that share a KV head stacked as rows of one SDPA head
+([kv_heads, group * queries, head_dim]): no K/V repeat, and bigger query tiles for the kernel. The
+additive prompt mask is built once per step (`ForwardBatch`), not once per layer. A decode step
+gathers only the blocks the sequence really has.
 """
 
 from __future__ import annotations
@@ -31,15 +38,17 @@ from ikcode.model.config import ModelConfig
 KEY_TILE = 512  # keys per SDPA key tile on CPU; padding keys to a multiple keeps the tiling fixed
 
 
-def padded_query_rows(num_queries: int) -> int:
-    """Query rows to give SDPA so that none of its query tiles is a 1-3 row remainder."""
-    rows = max(num_queries, 4)
+def padded_query_rows(num_queries: int, group: int = 1) -> int:
+    """Queries per head to give SDPA so that none of its query tiles (over group * queries rows, the
+    query heads of one KV head stacked) is a 1-3 row remainder."""
+    rows = max(num_queries, -(-4 // group))
     while True:
-        tile = 256 if rows >= 768 else (64 if rows >= 192 else 32)
-        rem = rows % tile
+        total = rows * group
+        tile = 256 if total >= 768 else (64 if total >= 192 else 32)
+        rem = total % tile
         if rem == 0 or rem >= 4:
             return rows
-        rows += 4 - rem
+        rows += 1
 
 
 def padded_key_len(num_keys: int) -> int:
@@ -52,9 +61,12 @@ class SeqAttention:
 
     row_start: int
     num_rows: int  # real query rows (new tokens of this sequence in this step)
-    query_rows: int  # rows given to SDPA (>= num_rows)
-    block_ids: torch.Tensor  # long [padded_keys // block_size], padded with any valid block id
-    mask: torch.Tensor  # bool [query_rows, padded_keys]: True = may attend
+    query_rows: int  # queries per head given to SDPA (>= num_rows)
+    block_ids: torch.Tensor  # long: blocks holding the keys (prompt: padded with any valid block id)
+    num_keys: int  # keys given to SDPA (prompt: padded to KEY_TILE; decode: exactly the real ones)
+    # Additive float mask [group * query_rows, num_keys] (0 = may attend, -inf = may not), rows in
+    # the stacked-GQA order; None: every query sees every key (a decode step).
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -130,19 +142,19 @@ class DecoderLayer(nn.Module):
         out = torch.empty(rows, self.q_size, dtype=x.dtype, device=x.device)
         if rows > sum(s.num_rows for s in batch.seqs):
             out.zero_()  # padding rows: keep them finite
+        kvh, hd, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         for s in batch.seqs:
-            keys = s.block_ids.shape[0] * k_pool.shape[1]
-            kk = k_pool[s.block_ids].view(1, keys, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            vv = v_pool[s.block_ids].view(1, keys, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            qq = q[s.row_start : s.row_start + s.num_rows]
-            if s.query_rows > s.num_rows:
-                qq = F.pad(qq, (0, 0, 0, 0, 0, s.query_rows - s.num_rows))
-            o = F.scaled_dot_product_attention(
-                qq.transpose(0, 1).unsqueeze(0), kk, vv, attn_mask=s.mask, enable_gqa=True
-            )
-            out[s.row_start : s.row_start + s.num_rows] = (
-                o[0, :, : s.num_rows].transpose(0, 1).reshape(s.num_rows, self.q_size)
-            )
+            n, qrows = s.num_rows, s.query_rows
+            kk = k_pool[s.block_ids].view(-1, kvh, hd)[: s.num_keys].transpose(0, 1).unsqueeze(0)
+            vv = v_pool[s.block_ids].view(-1, kvh, hd)[: s.num_keys].transpose(0, 1).unsqueeze(0)
+            # [n, heads, hd] -> [kv_heads, group, queries, hd]: the heads sharing a KV head as rows.
+            qq = q[s.row_start : s.row_start + n].view(n, kvh, group, hd).permute(1, 2, 0, 3)
+            if qrows > n:
+                qq = F.pad(qq, (0, 0, 0, qrows - n))
+            qq = qq.reshape(1, kvh, group * qrows, hd)
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=s.mask)
+            o = o.view(kvh, group, qrows, hd)[:, :, :n].permute(2, 0, 1, 3)
+            out[s.row_start : s.row_start + n] = o.reshape(n, self.q_size)
         return grouped_linear(out, self.o_weight, None, batch.row_groups)
 
     def mlp(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
@@ -211,10 +223,12 @@ class LlamaModel(nn.Module):
             x = layer(x, batch, cos, sin, k_pools[i], v_pools[i])
         return x
 
-    def logits(self, hidden_rows: torch.Tensor, invariant: bool) -> torch.Tensor:
-        """Logits of the selected rows; padded to a multiple of 4 rows when batch-invariant."""
+    def logits(self, hidden_rows: torch.Tensor, pad_to_4: bool) -> torch.Tensor:
+        """Logits of the selected rows. pad_to_4: in a matmul of a multiple of 4 rows (prompt rows
+        when batch-invariant); a lone decode row is given alone (the one-row kernel is always the same).
+        """
         n = hidden_rows.shape[0]
         h = self.norm(hidden_rows)
-        if invariant and n % 4:
+        if pad_to_4 and n % 4:
             h = F.pad(h, (0, 0, 0, 4 - n % 4))
         return F.linear(h, self.lm_head)[:n]

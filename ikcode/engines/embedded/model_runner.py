@@ -81,15 +81,16 @@ class ModelRunner:
         self.v_pool[:, dev] = self.v_host[:, host].to(self.device)
 
     # ---- one step --------------------------------------------------------------------------
-    def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[int]]:
-        """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none)."""
-        bs = self.block_size
+    def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[int], list[bool]]:
+        """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none)
+        and whether that row is a decode row."""
+        bs, cfg = self.block_size, self.cfg
+        group = cfg.num_heads // cfg.num_kv_heads
         # Prompt (prefill) rows first, then decode rows, so prompt rows share one matmul.
         prefill = [s for s in scheduled if not (self.batch_invariant and s.seq.is_decoding)]
         decode = [s for s in scheduled if self.batch_invariant and s.seq.is_decoding]
         ids: list[int] = []
         pos: list[int] = []
-        write_rows: list[int] = []
         write_slots: list[int] = []
         seqs: list[SeqAttention] = []
         sample_row: dict[int, int] = {}
@@ -97,49 +98,78 @@ class ModelRunner:
 
         def add(item: ScheduledSeq) -> None:
             seq, n = item.seq, item.num_tokens
-            start, row0 = seq.num_computed_tokens, len(ids)
-            ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            for p in range(start, start + n):
-                write_rows.append(row0 + p - start)
-                write_slots.append(seq.block_table[p // bs] * bs + p % bs)
-            keys = start + n
-            kpad = padded_key_len(keys)
-            table = seq.block_table[: -(-keys // bs)]
-            table = table + [table[0]] * (kpad // bs - len(table))  # masked padding keys
-            qrows = padded_query_rows(n) if self.batch_invariant else n
-            q_pos = torch.arange(start, start + qrows).unsqueeze(1)
-            mask = torch.arange(kpad).unsqueeze(0) <= q_pos
-            mask[n:] = False
-            mask[n:, 0] = True  # padding queries attend to something: no NaN rows
-            seqs.append(
-                SeqAttention(row0, n, qrows, torch.tensor(table, device=self.device), mask.to(self.device))
-            )
-            if start + n == len(seq.token_ids):
+            start = seq.num_computed_tokens
+            row0, keys = len(ids), start + n
+            ids.extend(seq.token_ids[start:keys])
+            pos.extend(range(start, keys))
+            table = seq.block_table
+            write_slots.extend(table[p // bs] * bs + p % bs for p in range(start, keys))
+            if seq.is_decoding:
+                # One query over exactly its keys: no padding, no mask (see llama.py).
+                blocks = table[: -(-keys // bs)]
+                seqs.append(SeqAttention(row0, 1, 1, self._ids(blocks), keys, None))
+            else:
+                kpad = padded_key_len(keys)
+                blocks = table[: -(-keys // bs)]
+                blocks = blocks + [blocks[0]] * (kpad // bs - len(blocks))  # masked padding keys
+                qrows = padded_query_rows(n, group) if self.batch_invariant else n
+                seqs.append(
+                    SeqAttention(
+                        row0, n, qrows, self._ids(blocks), kpad, self._mask(start, n, qrows, kpad, group)
+                    )
+                )
+            if keys == len(seq.token_ids):
                 sample_row[id(seq)] = row0 + n - 1
 
         for item in prefill:
             add(item)
+        num_real = len(ids)
         if prefill:
             if self.batch_invariant and len(ids) % 4:
                 pad = 4 - len(ids) % 4
                 ids.extend([0] * pad)
                 pos.extend([0] * pad)
             groups.append((0, len(ids)))
+        write_rows = list(range(num_real))
         for item in decode:
+            write_rows.append(len(ids))
             add(item)
             groups.append((len(ids) - 1, len(ids)))
-        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        batch = ForwardBatch(t(ids), t(pos), t(write_rows), t(write_slots), seqs, groups)
-        return batch, [sample_row.get(id(s.seq), -1) for s in scheduled]
+        batch = ForwardBatch(
+            self._ids(ids), self._ids(pos), self._ids(write_rows), self._ids(write_slots), seqs, groups
+        )
+        rows = [sample_row.get(id(s.seq), -1) for s in scheduled]
+        is_decode = [self.batch_invariant and s.seq.is_decoding for s in scheduled]
+        return batch, rows, is_decode
+
+    def _ids(self, xs: list[int]) -> torch.Tensor:
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+    def _mask(self, start: int, n: int, qrows: int, kpad: int, group: int) -> torch.Tensor:
+        """Additive causal mask for queries start..start+n over kpad keys, repeated for the group's
+        stacked query heads. Padding queries attend to key 0 only: no NaN rows."""
+        visible = torch.arange(kpad).unsqueeze(0) <= torch.arange(start, start + qrows).unsqueeze(1)
+        visible[n:] = False
+        visible[n:, 0] = True
+        mask = torch.zeros(qrows, kpad).masked_fill_(~visible, float("-inf"))
+        return mask.repeat(group, 1).to(self.device)
 
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """Logits [n, vocab] (CPU) for the sequences that sample this step, and their indexes."""
-        batch, rows = self.build_batch(scheduled)
+        batch, rows, is_decode = self.build_batch(scheduled)
         hidden = self.model(batch, self.k_pool, self.v_pool)
         which = [i for i, r in enumerate(rows) if r >= 0]
         if not which:
             return torch.empty(0, self.cfg.vocab_size), []
-        picked = hidden[torch.tensor([rows[i] for i in which], device=self.device)]
-        return self.model.logits(picked, self.batch_invariant).float().cpu(), which
+        # Prompt rows together (a multiple of 4 rows when batch-invariant), each decode row alone.
+        together = [i for i in which if not is_decode[i]]
+        alone = [i for i in which if is_decode[i]]
+        parts: dict[int, torch.Tensor] = {}
+        if together:
+            picked = hidden[self._ids([rows[i] for i in together])]
+            for i, row in zip(together, self.model.logits(picked, self.batch_invariant), strict=True):
+                parts[i] = row
+        for i in alone:
+            parts[i] = self.model.logits(hidden[rows[i] : rows[i] + 1], False)[0]
+        return torch.stack([parts[i] for i in which]).float().cpu(), which

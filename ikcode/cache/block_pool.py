@@ -68,7 +68,7 @@ class BlockPool:
         self.policy.on_commit(block, sharer)
         return True
 
-    def unref(self, table: list[int], now: float, hold_until: float | None) -> None:
+    def unref(self, table: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
         """Drop one reference from each block of a sequence's table; tail first."""
         evictable: list[int] = []
         for block in reversed(table):
@@ -81,7 +81,7 @@ class BlockPool:
                 else:
                     evictable.append(block)
         if evictable:
-            self.policy.push(evictable, now, hold_until)
+            self.policy.push(evictable, now, hold_until, sharer)
 
     def check(self) -> None:
         free = set(self.free)

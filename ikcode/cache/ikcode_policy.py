@@ -5,13 +5,23 @@ Three segments of evictable blocks, each in LRU order (tail of a sequence first)
              conversation's blocks are never asked for again; they should not push out the
              blocks that have already proven shared.
   protected  blocks hit by >= protect_after distinct sharers (sessions, else sequences): the
-             system prompt and tool definitions every session shares, and conversation
-             prefixes that keep coming back. Capped at protected_fraction of the device; past
-             the cap its LRU blocks fall back to probation (a segmented LRU).
+             system prompt and tool definitions every session shares; and every block of a
+             session's step from its second step on (a returning session). Capped at
+             protected_fraction of the device; past the cap its LRU blocks fall back to
+             probation (a segmented LRU), so new sessions always keep a window.
   held       blocks of a session whose last step ended in a tool call, released with hold_s:
              kept until their deadline (the next step usually comes within seconds), capped at
              held_fraction of the device. Expired holds go to the front of probation.
 Victims: probation first, then protected, then held (earliest deadline first).
+
+Why returning sessions as a whole: a conversation's next step reads its whole previous prompt
+and reply, so the newest tail of a session that keeps coming back is worth as much as its head;
+protecting only blocks already hit (per block) splits a conversation into a protected head and
+an evicted tail. And a session that came back once is far more likely to come back again than a
+brand-new one: most first requests are one-offs (on the Mooncake synthetic trace 18% of
+conversations get a second request, 80% of those that did get a third, and so on), while an
+agent in its tool loop comes back nearly always. Sessions are known by id (Claude Code sends one);
+without ids each sequence is its own sharer and this reduces to the per-block rule.
 """
 
 from __future__ import annotations
@@ -24,8 +34,15 @@ from collections.abc import Iterator
 class IkcodePolicy:
     name = "ikcode"
 
-    def __init__(self, protect_after: int = 2, protected_fraction: float = 0.4, held_fraction: float = 0.5):
+    def __init__(
+        self,
+        protect_after: int = 2,
+        protected_fraction: float = 0.8,
+        held_fraction: float = 0.5,
+        returning_after: int = 2,
+    ):
         self.protect_after = protect_after
+        self.returning_after = returning_after  # the step from which a session's blocks are protected
         self.protected_fraction = protected_fraction
         self.held_fraction = held_fraction
         self._probation: OrderedDict[int, None] = OrderedDict()
@@ -37,12 +54,15 @@ class IkcodePolicy:
         self._pushes = 0
         self._sharers: dict[int, int] = {}  # block -> distinct sharers seen (consecutive-distinct)
         self._last_sharer: dict[int, str] = {}
+        self._steps: OrderedDict[str, int] = OrderedDict()  # sharer -> steps released (bounded)
+        self._steps_cap = 1024
         self._protected_cap = 0
         self._held_cap = 0
 
     def bind(self, num_device_blocks: int) -> None:
         self._protected_cap = int(num_device_blocks * self.protected_fraction)
         self._held_cap = int(num_device_blocks * self.held_fraction)
+        self._steps_cap = max(1024, 4 * num_device_blocks)
 
     def on_commit(self, block: int, sharer: str) -> None:
         self._sharers[block] = 1
@@ -53,19 +73,30 @@ class IkcodePolicy:
             self._sharers[block] = self._sharers.get(block, 0) + 1
             self._last_sharer[block] = sharer
 
-    def push(self, blocks: list[int], now: float, hold_until: float | None) -> None:
+    def push(self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
+        returning = self._count_step(sharer) >= self.returning_after
         for b in blocks:
             if hold_until is not None and hold_until > now and len(self._held) < self._held_cap:
                 self._held[b] = hold_until
                 self._pushes += 1
                 heapq.heappush(self._deadlines, (hold_until, self._pushes, b))
-            elif self._sharers.get(b, 0) >= self.protect_after:
+            elif returning or self._sharers.get(b, 0) >= self.protect_after:
                 self._protected[b] = None
             else:
                 self._probation[b] = None
         while len(self._protected) > self._protected_cap:
             b, _ = self._protected.popitem(last=False)
             self._probation[b] = None
+
+    def _count_step(self, sharer: str) -> int:
+        """This release is the sharer's n-th step; returns n (0 when the sharer is unknown)."""
+        if not sharer:
+            return 0
+        n = self._steps.pop(sharer, 0) + 1
+        self._steps[sharer] = n  # most recent last: the least recent session is forgotten first
+        if len(self._steps) > self._steps_cap:
+            self._steps.popitem(last=False)
+        return n
 
     def remove(self, block: int) -> None:
         if self._probation.pop(block, 0) is None:

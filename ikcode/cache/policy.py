@@ -28,8 +28,8 @@ class EvictionPolicy(Protocol):
     def on_hit(self, block: int, sharer: str) -> None:
         """A lookup by `sharer` hit this cached block."""
 
-    def push(self, blocks: list[int], now: float, hold_until: float | None) -> None:
-        """blocks became evictable, given in eviction order (tail of the sequence first)."""
+    def push(self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
+        """blocks of one sequence of `sharer` became evictable, in eviction order (tail first)."""
 
     def remove(self, block: int) -> None:
         """block is referenced again (a hit pinned it): no longer evictable."""
@@ -64,7 +64,7 @@ class LRUPolicy:
     def on_hit(self, block: int, sharer: str) -> None:
         pass
 
-    def push(self, blocks: list[int], now: float, hold_until: float | None) -> None:
+    def push(self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
         for b in blocks:
             self._queue[b] = None
 

@@ -199,7 +199,7 @@ class PrefixCache:
             self.stats.demoted_blocks += len(written)
             self._copy(written, [])
         hold_until = now + hold_s if hold_s else None
-        self.pool.unref(seq.table, now, hold_until)
+        self.pool.unref(seq.table, now, hold_until, sharer)
 
     # ---- internals ---------------------------------------------------------------------------
     def _take_block(self, now: float, demotions: list[tuple[int, int]]) -> int:

@@ -33,7 +33,7 @@ class TraceRequest:
     t_s: float
     keys: list[BlockHash]
     block_tokens: list[int]  # tokens in each block (the last one may be partial)
-    session: str  # the request's root block: a stand-in for the conversation it belongs to
+    session: str  # the conversation it continues (see _sessions), a stand-in for a session id
 
     @property
     def tokens(self) -> int:
@@ -57,8 +57,29 @@ def load_trace(path_or_records: str | PathLike | Iterable[dict], block_tokens: i
         last = int(r["input_length"]) - block_tokens * (n - 1)
         sizes = [block_tokens] * (n - 1) + [min(block_tokens, max(1, last))]
         keys = hash_blocks(ids, 1)
-        out.append(TraceRequest(float(r["timestamp"]) / 1000.0, keys, sizes, keys[0].hex()))
+        out.append(TraceRequest(float(r["timestamp"]) / 1000.0, keys, sizes, ""))
+    _sessions(out, block_tokens)
     return out
+
+
+def _sessions(requests: list[TraceRequest], block_tokens: int) -> None:
+    """Give each request the session of the earlier request it continues, else a new one.
+
+    The format has no session ids. A request continues an earlier one when its prompt contains
+    that one's prompt up to its last full block (a next turn resends the conversation). Sharing
+    only a root (a common system prompt) does not make two conversations one session.
+    """
+    ends: dict[BlockHash, str] = {}  # last full block of a prompt -> its session
+    for i, req in enumerate(requests):
+        session = None
+        for k in range(len(req.keys) - 1, 0, -1):  # deepest first; a bare root is not enough
+            session = ends.get(req.keys[k])
+            if session is not None:
+                break
+        req.session = session or f"s{i}"
+        full = len(req.keys) - (req.block_tokens[-1] < block_tokens)
+        if full >= 1:
+            ends[req.keys[full - 1]] = req.session
 
 
 def _ratios(requests: list[TraceRequest], hits: list[int]) -> dict[str, float]:
@@ -95,7 +116,7 @@ def replay_requests(
             dev_hits.append(0)
             host_hits.append(0)
             continue
-        alloc = cache.allocate(str(i), req.keys, n, num_tokens=req.tokens)
+        alloc = cache.allocate(str(i), req.keys, n, session_id=req.session, num_tokens=req.tokens)
         dev_hits.append(alloc.cached_blocks_device)
         host_hits.append(alloc.cached_blocks_host)
         cache.release(str(i), req.keys)

@@ -259,6 +259,7 @@ def create_app(
                 "engine": info.kind,
                 "device": info.device,
                 "context_window": context_window,
+                "block_size": info.block_size,
                 "in_flight": gw.in_flight,
                 **metrics.totals(),
             }

@@ -128,7 +128,7 @@ def main() -> None:
 
 def run(args, upstream_url: str, front_url: str) -> dict:
     words = "the parser reads tokens from the buffer until a newline then calls the handler".split()
-    history = " ".join(words[i % len(words)] for i in range(int(args.tokens / 2.17)))  # ~2.17 tokens/word
+    history = " ".join(words[i % len(words)] for i in range(int(args.tokens / 4.33)))  # ~4.33 tokens/word
     base = [{"role": "user", "content": history}, {"role": "assistant", "content": "ok"}]
     system = "You are a coding agent."
     direct, via = [], []

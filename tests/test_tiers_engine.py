@@ -48,12 +48,16 @@ def host_engine(**config):
     return tiny_engine(**defaults)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_promoted_blocks_are_byte_identical_and_generate_like_cold(architecture: str):
-    engine = host_engine(architecture=architecture)
+@pytest.mark.parametrize(
+    "architecture, write_through", [("llama", False), ("qwen2", False), ("llama", True)]
+)
+def test_promoted_blocks_are_byte_identical_and_generate_like_cold(architecture: str, write_through: bool):
+    engine = host_engine(architecture=architecture, host_write_through=write_through)
     prefix, tail = prompt_of(1, 200), prompt_of(2, 40)
     run(engine, "turn1", prefix)
     keys = hash_blocks(prefix, BS)
+    if write_through:  # on the host already, before any eviction
+        assert engine.lookup(prefix).device_tokens == 192 and all(k in engine.cache.host.index for k in keys)
     before = {k: engine.runner.block_bytes(engine.cache.pool.index[k]) for k in keys}
 
     fill_device(engine, "other")

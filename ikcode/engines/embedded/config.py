@@ -10,6 +10,9 @@ from typing import Literal
 class EmbeddedEngineConfig:
     kv_memory_bytes: int = 256 * 1024 * 1024  # device KV pool; the block count is derived from it
     host_kv_memory_bytes: int = 0  # host tier for evicted blocks (0 = none)
+    # Copy each block to the host tier when it is committed, so that evicting it from the device
+    # later costs no copy (a block already on the host is dropped from the device for free).
+    host_write_through: bool = False
     block_size: int = 16
     max_num_seqs: int = 8
     max_prefill_tokens_per_step: int = 512  # chunked-prefill token budget per engine step

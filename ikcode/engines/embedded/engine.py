@@ -98,7 +98,8 @@ class EmbeddedEngine:
             num_host,
             store=self.runner if num_host else None,
             policy=config.cache_policy,
-            bytes_per_block=block_bytes,
+            write_through=config.host_write_through,
+            bytes_per_block=self.runner.device_kv_bytes // self.num_blocks,  # measured
         )
         self.scheduler = Scheduler(
             self.cache, config.max_num_seqs, config.max_prefill_tokens_per_step, on_admit=self._on_admit

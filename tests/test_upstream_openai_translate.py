@@ -1,0 +1,119 @@
+"""The Messages <-> chat completions translation, function by function (the end-to-end run against
+a real OpenAI-compatible server is tests/test_upstream_llamacpp.py)."""
+
+from __future__ import annotations
+
+import json
+
+from ikcode.upstream.openai_request import to_chat_request
+from ikcode.upstream.openai_response import to_anthropic_error, to_message
+from ikcode.upstream.openai_stream import StreamTranslator
+
+
+def test_request_keeps_order_tools_results_and_mid_conversation_system():
+    body = {
+        "model": "m",
+        "max_tokens": 9,
+        "stream": True,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc=1"},
+            {"type": "text", "text": "Be exact."},
+        ],
+        "tools": [
+            {"name": "Read", "input_schema": {"type": "object"}},
+            {"name": "web", "type": "web_search_1"},
+        ],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True},
+        "thinking": {"type": "adaptive"},
+        "messages": [
+            {"role": "user", "content": "read a.py"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "hmm", "signature": "s"},
+                    {"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "a.py"}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "print(1)"}],
+            },
+            {"role": "system", "content": "context update"},
+            {"role": "user", "content": [{"type": "text", "text": "and?"}]},
+        ],
+    }
+    chat = to_chat_request(body, "served")
+    roles = [m["role"] for m in chat["messages"]]
+    assert roles == ["system", "user", "assistant", "tool", "system", "user"]
+    assert chat["messages"][0]["content"] == "Be exact."  # attribution line dropped
+    call = chat["messages"][2]["tool_calls"][0]
+    assert call["id"] == "t1" and json.loads(call["function"]["arguments"]) == {"file_path": "a.py"}
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "t1", "content": "print(1)"}
+    assert [t["function"]["name"] for t in chat["tools"]] == ["Read"]
+    assert chat["tool_choice"] == "required" and chat["parallel_tool_calls"] is False
+    assert chat["stream_options"] == {"include_usage": True} and "thinking" not in chat
+
+
+def test_response_and_errors():
+    completion = {
+        "choices": [
+            {
+                "finish_reason": "tool_calls",
+                "message": {
+                    "content": "",
+                    "tool_calls": [{"id": "c1", "function": {"name": "Read", "arguments": "{}"}}],
+                },
+            }
+        ],
+        "usage": {
+            "prompt_tokens": 100,
+            "completion_tokens": 5,
+            "prompt_tokens_details": {"cached_tokens": 64},
+        },
+    }
+    message, usage = to_message(completion, "msg_1", "m", [])
+    assert message["stop_reason"] == "tool_use" and message["content"][0]["name"] == "Read"
+    usage_out = message["usage"]
+    assert usage_out["input_tokens"] == 36 and usage_out["cache_read_input_tokens"] == 64
+    text = "This model's maximum context length is 4096 tokens. However, you requested 9000 tokens"
+    raw = json.dumps({"error": {"message": text}}).encode()
+    status, body = to_anthropic_error(400, raw)
+    assert status == 400 and body["error"]["message"].startswith(
+        "prompt is too long: 9000 tokens > 4096 maximum"
+    )
+
+
+def test_stream_text_then_tool_call_deltas():
+    tr = StreamTranslator("msg_1", "m", [])
+    chunks = [
+        {"choices": [{"delta": {"role": "assistant", "reasoning_content": "dropped"}}]},
+        {"choices": [{"delta": {"content": "Let me look."}}]},
+        {
+            "choices": [
+                {
+                    "delta": {
+                        "tool_calls": [
+                            {"index": 0, "id": "c1", "function": {"name": "Read", "arguments": ""}}
+                        ]
+                    }
+                }
+            ]
+        },
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": '{"file_path":'}}]}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": ' "a.py"}'}}]}}]},
+        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]},
+        {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 7}},
+    ]
+    out = [tr.start()] + [e for c in chunks for e in tr.feed(c)] + list(tr.finish())
+    events = [json.loads(e.split(b"data: ")[1]) for e in out]
+    kinds = [e["type"] for e in events]
+    assert kinds == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_stop",
+        "content_block_start", "content_block_delta", "content_block_delta", "content_block_stop",
+        "message_delta", "message_stop",
+    ]  # fmt: skip
+    partial = "".join(
+        e["delta"].get("partial_json", "") for e in events if e["type"] == "content_block_delta"
+    )
+    assert json.loads(partial) == {"file_path": "a.py"}
+    assert events[-2]["delta"]["stop_reason"] == "tool_use" and events[-2]["usage"]["input_tokens"] == 10

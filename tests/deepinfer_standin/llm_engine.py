@@ -184,12 +184,13 @@ class LLMEngine:
         if end > start:
             before = states.ring[seq.state_id].copy()
             kept = states.boundary_rings[seq.state_id]
-            for b in range((start // BLOCK_SIZE + 1) * BLOCK_SIZE, end + 1, BLOCK_SIZE):
-                # DEEPINFER_PREFILL_STORE_EXTRA_STATE=1 keeps the window at 128 boundaries.
-                recent = np.asarray(seq.token_ids[max(start, b - WINDOW) : b], dtype=np.int64)
-                kept[b] = np.concatenate([before, recent])[-WINDOW:]
-            for old in sorted(kept)[:-2]:
-                del kept[old]
+            last = end // BLOCK_SIZE * BLOCK_SIZE
+            if last > start:
+                # DEEPINFER_PREFILL_STORE_EXTRA_STATE=1 keeps the window at the LAST 128 boundary
+                # (facts: "What a resumed prefix needs"); earlier ones are overwritten.
+                recent = np.asarray(seq.token_ids[max(start, last - WINDOW) : last], dtype=np.int64)
+                kept.clear()
+                kept[last] = np.concatenate([before, recent])[-WINDOW:]
             recent = np.asarray(seq.token_ids[max(start, end - WINDOW) : end], dtype=np.int64)
             states.ring[seq.state_id] = np.concatenate([before, recent])[-WINDOW:]
         seq.num_written = end

@@ -40,6 +40,7 @@ from ikcode.engines.deepinfer.request import RankRequest
 log = logging.getLogger(__name__)
 
 Emit = Callable[[LifecycleKind, RankRequest], None]
+SNAPSHOTS_PER_REQUEST = 4
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 NO_BINDING = (
     "this deepinfer build does not expose Sequence.block_table: apply ikcode's patch "
@@ -207,6 +208,24 @@ class RankWorker:
             r = self.live.get(request_id)
             if r is not None:
                 self._on_output(r, int(token), reason, finished)
+        self._snapshot_progress()
+
+    def _snapshot_progress(self) -> None:
+        """Keep the window at each sequence's latest 128 boundary (DEEPINFER_PREFILL_STORE_EXTRA_STATE
+        keeps only the last one in the ring): the resume points of the next turn."""
+        for r in self.live.values():
+            if not r.admitted or r.closed or r.failed:
+                continue
+            boundary = int(r.seq.num_cached_tokens) // KVSTORE_GRAIN * KVSTORE_GRAIN
+            if boundary <= max(r.snapshots, default=0):
+                continue
+            try:
+                select = self.engine.cache_engine.select_state_slice_to_store
+                r.snapshots[boundary] = select(r.seq.state_id, boundary)
+            except (ValueError, AssertionError):
+                continue
+            while len(r.snapshots) > SNAPSHOTS_PER_REQUEST:
+                del r.snapshots[min(r.snapshots)]
 
     def _on_output(self, r: RankRequest, token: int, reason: str | None, finished: bool) -> None:
         if r.rejected:  # the echoed prompt token is not an answer
@@ -272,7 +291,7 @@ class RankWorker:
                 valid = min(int(seq.num_cached_tokens), len(r.engine_tokens))
                 full = valid // KVSTORE_GRAIN * KVSTORE_GRAIN
                 keys = hash_blocks(r.engine_tokens[:full], KVSTORE_GRAIN, r.request.cache_salt)
-                self.cache.commit(seq, r.request_id, keys)
+                self.cache.commit(seq, r.request_id, keys, r.snapshots)
         self._release(r)
 
     def _release(self, r: RankRequest) -> None:

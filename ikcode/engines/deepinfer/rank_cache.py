@@ -124,7 +124,9 @@ class RankCache:
         return alloc.cached_blocks_device * bs, alloc.cached_blocks_host * bs
 
     # ---- commit at release (finalize_seq) -------------------------------------------------------
-    def commit(self, seq: Any, request_id: str, hashes: list[BlockHash]) -> int:
+    def commit(
+        self, seq: Any, request_id: str, hashes: list[BlockHash], snapshots: dict[int, Any] | None = None
+    ) -> int:
         """Pin seq's full valid blocks under hashes (GPU tier), then drop the request's entry.
         Runs inside finalize_seq, before the parent frees the sequence. Returns blocks committed."""
         table = list(seq.block_table)
@@ -142,12 +144,20 @@ class RankCache:
         for slot in appended:  # a key that already lived in another slot: this one went back free
             if self.cache.pool.block_hash[slot] is None:
                 self._unbind(slot)
-        if hashes and hashes[-1] in self.cache.pool.index:
-            P = len(hashes) * self.block_size
-            self.snapshots[hashes[-1]] = self.cache_engine.select_state_slice_to_store(seq.state_id, P)
-            self.snapshots.move_to_end(hashes[-1])
-            while len(self.snapshots) > self.max_snapshots:
-                self.snapshots.popitem(last=False)
+        found = dict(snapshots or {})
+        if hashes:
+            end = len(hashes) * self.block_size
+            try:
+                found[end] = self.cache_engine.select_state_slice_to_store(seq.state_id, end)
+            except (ValueError, AssertionError):  # not kept: an earlier snapshot will have to do
+                pass
+        for position in sorted(found):
+            n = position // self.block_size
+            if 0 < n <= len(hashes) and hashes[n - 1] in self.cache.pool.index:
+                self.snapshots[hashes[n - 1]] = found[position]
+                self.snapshots.move_to_end(hashes[n - 1])
+        while len(self.snapshots) > self.max_snapshots:
+            self.snapshots.popitem(last=False)
         return len(appended)
 
     def drop(self, request_id: str) -> None:

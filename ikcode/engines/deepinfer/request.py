@@ -23,6 +23,9 @@ class RankRequest:
     closed: bool = False  # the stream got its final event
     engine_finished: bool = False  # the engine reported finished=True (it may still hold the KV)
     failed: bool = False  # its KV may be garbage: never committed
+    # Sliding-window state taken at 128 boundaries while it ran (the engine keeps only the last
+    # one), so a next turn that adds fewer than KEEP tokens can still resume close to its end.
+    snapshots: dict[int, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.engine_tokens = list(self.request.prompt_token_ids)

@@ -53,3 +53,18 @@ def test_new_sessions_keep_a_window_past_the_protected_cap():
     step(cache, "filler", keys(60, 4), "filler")  # evicts from probation, not the newest session
     assert cache.match(keys(50, 4)).device_blocks == 4
     cache.check_invariants()
+
+
+def test_trace_sessions_follow_continuation_not_a_shared_root():
+    from ikcode.cache.trace_replay import load_trace
+
+    records = [  # two conversations over one shared system-prompt block 0, then each one's next turn
+        {"timestamp": 0, "input_length": 1536, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1, "input_length": 1536, "output_length": 5, "hash_ids": [0, 3, 4]},
+        {"timestamp": 2, "input_length": 2000, "output_length": 5, "hash_ids": [0, 1, 2, 5]},
+        {"timestamp": 3, "input_length": 2000, "output_length": 5, "hash_ids": [0, 3, 4, 6]},
+        {"timestamp": 4, "input_length": 300, "output_length": 5, "hash_ids": [0]},
+    ]
+    a1, b1, a2, b2, alone = (r.session for r in load_trace(records))
+    assert a1 != b1 and a2 == a1 and b2 == b1
+    assert alone not in (a1, b1)  # a bare shared root does not join a conversation

@@ -1,9 +1,9 @@
 """The ikcode eviction policy: LRU, tail-first, with shared roots protected and sessions held.
 
 Three segments of evictable blocks, each in LRU order (tail of a sequence first):
-  probation  blocks reused by at most one sequence so far: the first to go. Most of a brand-new
-             conversation's blocks are never asked for again; they should not push out the
-             blocks that have already proven shared.
+  probation  blocks of a session's first step not shared by anyone else yet: the first to go.
+             Most of a brand-new conversation's blocks are never asked for again; they should
+             not push out blocks that have already proven useful.
   protected  blocks hit by >= protect_after distinct sharers (sessions, else sequences): the
              system prompt and tool definitions every session shares; and every block of a
              session's step from its second step on (a returning session). Capped at

@@ -67,16 +67,29 @@ def _embedded_engine(profile: Profile, model_path: str | None) -> tuple[Engine, 
     return engine, loaded.tokenizer, what
 
 
+def _deepinfer_engine(profile: Profile, model_path: str | None) -> tuple[Engine, Any, str]:
+    from ikcode.engines.deepinfer.launch import deepinfer_stack_parts
+    from ikcode.engines.deepinfer.machine import MachineCheckError
+
+    try:
+        return deepinfer_stack_parts(profile, model_path)
+    except (MachineCheckError, ValueError) as err:
+        raise daemon.DaemonError(f"cannot start DeepInfer on this machine: {err}") from None
+
+
 def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
     from ikcode.admission import AdmissionConfig, AdmissionController
 
-    if profile.engine != "embedded":
+    if profile.engine not in ("embedded", "deepinfer"):
         raise daemon.DaemonError(
             f"profile {profile.name!r} uses engine {profile.engine!r}, which `ikcode up` cannot start "
             "in this version; use the `local` profile (embedded engine)"
         )
     try:
-        engine, tokenizer, description = _embedded_engine(profile, model_path)
+        if profile.engine == "deepinfer":
+            engine, tokenizer, description = _deepinfer_engine(profile, model_path)
+        else:
+            engine, tokenizer, description = _embedded_engine(profile, model_path)
     except ModelLoadError as err:
         raise daemon.DaemonError(str(err)) from None
     try:

@@ -52,12 +52,14 @@ def query_gpus() -> list[Gpu]:
 def check_machine(
     data_parallel_size: int,
     *,
-    gpus: Callable[[], list[Gpu]] = query_gpus,
-    find_spec: Callable[[str], object] = importlib.util.find_spec,
-    python: tuple[int, int] = sys.version_info[:2],
+    gpus: Callable[[], list[Gpu]] | None = None,
+    find_spec: Callable[[str], object] | None = None,
+    python: tuple[int, int] | None = None,
 ) -> None:
     """Raise MachineCheckError unless there are enough SM100 GPUs and deepinfer is importable."""
-    found = gpus()
+    found = (gpus or query_gpus)()
+    find_spec = find_spec or importlib.util.find_spec
+    python = python or (sys.version_info[0], sys.version_info[1])
     if not found:
         raise MachineCheckError(
             "no NVIDIA GPU found (nvidia-smi is missing or reports none): the deepinfer profile needs "

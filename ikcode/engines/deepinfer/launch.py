@@ -1,0 +1,44 @@
+"""The DeepInfer engine and its tokenizer from a profile (what `ikcode up --profile
+deepinfer-4xb200` builds): the machine is checked first, with a message that says what is missing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ikcode.engines.deepinfer.config import DeepInferConfig
+from ikcode.engines.deepinfer.machine import MachineCheckError, check_machine
+
+
+def load_tokenizer(model_dir: str) -> Any:
+    from ikcode.model.tokenizer import Tokenizer
+
+    folder = Path(model_dir)
+    try:
+        text = (folder / "tokenizer.json").read_text(encoding="utf-8")
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    except OSError as err:
+        raise MachineCheckError(f"cannot read the tokenizer of {folder}: {err}") from None
+    return Tokenizer.from_tokenizer_json(text, config)
+
+
+def deepinfer_stack_parts(profile: Any, model_path: str | None = None) -> tuple[Any, Any, str]:
+    """(engine, tokenizer, description). Raises MachineCheckError when this machine cannot run it."""
+    from ikcode.engines.deepinfer.engine import DeepInferEngine
+
+    config = DeepInferConfig.from_profile(profile, model_path)
+    check_machine(config.data_parallel_size)
+    if not config.model or not Path(config.model).is_dir():
+        raise MachineCheckError(
+            f"the deepinfer profile needs the model folder: set [model] path in {profile.source} or pass "
+            f"--model (got {config.model!r})"
+        )
+    tokenizer = load_tokenizer(config.model)
+    engine = DeepInferEngine(config)  # imports deepinfer, with its environment set first
+    what = (
+        f"deepinfer engine, {config.data_parallel_size} data-parallel rank(s), {config.model}, "
+        f"max_model_len {config.max_model_len}"
+    )
+    return engine, tokenizer, what

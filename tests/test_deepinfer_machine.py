@@ -1,0 +1,76 @@
+"""The DeepInfer backend on a machine that cannot run it: a clear message, nothing imported;
+the profile becomes the adapter's settings and environment."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ikcode import daemon
+from ikcode.engines.deepinfer import (
+    REQUIRED_ENVIRONMENT,
+    DeepInferConfig,
+    MachineCheckError,
+    check_machine,
+    machine,
+)
+from ikcode.engines.deepinfer.machine import Gpu
+from ikcode.profiles import load_profile
+from ikcode.stack import build_stack
+
+B200 = Gpu("NVIDIA B200", "10.0")
+H200 = Gpu("NVIDIA H200", "9.0")
+
+
+def ok(name: str) -> object:
+    return object()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "find_spec", "python", "message"),
+    [
+        ([], ok, (3, 12), "no NVIDIA GPU found"),
+        ([H200] * 4, ok, (3, 12), "wrong GPU: found NVIDIA H200 (compute capability 9.0)"),
+        ([B200] * 2, ok, (3, 12), "found 2 B200 GPU(s), the profile asks for data_parallel_size=4"),
+        ([B200] * 4, ok, (3, 11), "DeepInfer needs Python >= 3.12"),
+        ([B200] * 4, lambda name: None, (3, 12), "the deepinfer package is not installed"),
+    ],
+)
+def test_machine_check_says_what_is_missing(gpus, find_spec, python, message):
+    with pytest.raises(MachineCheckError, match="^" + message.replace("(", r"\(").replace(")", r"\)")):
+        check_machine(4, gpus=lambda: gpus, find_spec=find_spec, python=python)
+
+
+def test_a_b200_machine_with_deepinfer_passes():
+    check_machine(4, gpus=lambda: [B200] * 4, find_spec=ok, python=(3, 12))
+
+
+def test_importing_the_adapter_does_not_import_deepinfer():
+    code = "import sys, ikcode.engines.deepinfer, ikcode.stack; print('deepinfer' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_ikcode_up_with_the_deepinfer_profile_on_a_cpu_machine_says_why(monkeypatch):
+    monkeypatch.setattr(machine, "query_gpus", lambda: [])
+    with pytest.raises(daemon.DaemonError, match="cannot start DeepInfer on this machine: no NVIDIA GPU"):
+        build_stack(load_profile("deepinfer-4xb200"), model_path="/nonexistent")
+    monkeypatch.setattr(machine, "query_gpus", lambda: [H200])
+    with pytest.raises(daemon.DaemonError, match="wrong GPU"):
+        build_stack(load_profile("deepinfer-4xb200"))
+
+
+def test_profile_becomes_the_adapter_settings_and_environment():
+    config = DeepInferConfig.from_profile(load_profile("deepinfer-4xb200"), "/models/dsv4")
+    assert (config.model, config.data_parallel_size, config.max_model_len) == ("/models/dsv4", 4, 1048576)
+    assert config.max_num_seqs == 256 and config.gpu_memory_utilization == 0.9
+    assert config.host_tier_blocks_per_rank > 0
+    env = config.process_environment()
+    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    for key, value in REQUIRED_ENVIRONMENT.items():
+        assert env[key] == value
+    assert env["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] == "compact"
+    assert env["DEEPINFER_PREFILL_STORE_EXTRA_STATE"] == "1"
+    assert config.yoco_keep_tokens == 140

@@ -74,3 +74,25 @@ def test_profile_becomes_the_adapter_settings_and_environment():
     assert env["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] == "compact"
     assert env["DEEPINFER_PREFILL_STORE_EXTRA_STATE"] == "1"
     assert config.yoco_keep_tokens == 140
+
+
+def test_block_table_patch_adds_one_binding_once(tmp_path):
+    from ikcode.engines.deepinfer.patches.apply import PatchError, apply
+
+    src = tmp_path / "deepinfer-0.1.0" / "csrc" / "engine"
+    src.mkdir(parents=True)
+    binding = src / "pybind_sequence.cpp"
+    binding.write_text(
+        'py::class_<Sequence>(m, "Sequence")\n'
+        '    .def_readwrite("num_cached_tokens", &Sequence::num_cached_tokens)\n'
+        '    .def_readonly("state_id", &Sequence::state_id);\n'
+    )
+    assert apply(tmp_path / "deepinfer-0.1.0") is True
+    text = binding.read_text()
+    assert text.count('"block_table"') == 1
+    assert '.def_property_readonly("block_table", [](const Sequence &s) { return s.block_table; })' in text
+    assert text.index("num_cached_tokens") < text.index("block_table") < text.index("state_id")
+    assert apply(tmp_path / "deepinfer-0.1.0") is False  # idempotent
+    binding.write_text("nothing to anchor on\n")
+    with pytest.raises(PatchError):
+        apply(tmp_path / "deepinfer-0.1.0")

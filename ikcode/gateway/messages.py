@@ -131,7 +131,12 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
             raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))
         # The reply cannot run past the context window.
         sampling = replace(sampling, max_tokens=min(sampling.max_tokens, gw.context_window - prompt_tokens))
-        engine_request = EngineRequest(request_id, rendered.token_ids, sampling, salt, session_id)
+        # An agent step (a session with tools) usually comes back within seconds, after its tool
+        # runs: ask the cache to keep that session's tail on the device for a bounded time.
+        hold = gw.settings.session_hold_s if (session_id and body.tools) else None
+        engine_request = EngineRequest(
+            request_id, rendered.token_ids, sampling, salt, session_id, hold_tail_s=hold
+        )
         try:
             stream = gw.engine.submit(engine_request)
         except EngineError as error:

@@ -27,6 +27,9 @@ class GatewaySettings:
     # message_start carries the engine's cache prediction (engine.lookup hashes the whole prompt)
     # up to this prompt size; above it only the final message_delta usage has the cache figures.
     predict_usage_max_tokens: int = 32_768
+    # How long the cache keeps an agent session's tail on the device after a step (needs the
+    # "ikcode" cache policy; plain LRU ignores holds). None: no holds.
+    session_hold_s: float | None = 60.0
 
     def accepts(self, model: str) -> bool:
         return model == self.served_model or model in self.model_aliases

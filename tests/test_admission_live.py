@@ -1,0 +1,105 @@
+"""The AdmissionController in front of the real embedded engine (tiny model): order, caps, shedding."""
+
+import random
+import threading
+import time
+
+import pytest
+
+from ikcode.admission import AdmissionConfig, AdmissionController
+from ikcode.engines.base import EngineOverloaded, EngineRequest, SamplingParams
+from tests.tiny_model import assert_pool_clean, tiny_engine
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 300) for _ in range(n)]
+
+
+def _request(rid: str, prompt: list[int], session: str, max_tokens: int = 4) -> EngineRequest:
+    return EngineRequest(
+        rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), session_id=session
+    )
+
+
+def _first_token_times(streams: dict) -> dict[str, float]:
+    times: dict[str, float] = {}
+
+    def read(rid, stream):
+        for event in stream:
+            if event.token_ids and rid not in times:
+                times[rid] = time.monotonic()
+            assert event.error is None, event.error
+
+    threads = [threading.Thread(target=read, args=item) for item in streams.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return times
+
+
+@pytest.fixture
+def engine():
+    engine = tiny_engine(kv_memory_bytes=4 << 20, max_prefill_tokens_per_step=16)
+    yield engine
+    engine.shutdown(5)
+
+
+def test_warm_turn_jumps_the_cold_queue_and_cold_cap_holds(engine):
+    controller = AdmissionController(
+        engine, AdmissionConfig(policy="ikcode", cold_threshold_tokens=64, max_cold_prefills=1, shed=False)
+    )
+    controller.start()
+    base = _prompt(0, 600)
+    _, final = controller.submit(_request("prime", base, "s-warm")).collect(60)
+    assert final.error is None
+    assert_pool_clean(engine)
+
+    streams = {
+        "cold-a": controller.submit(_request("cold-a", _prompt(1, 1200), "s-a")),
+        "cold-b": controller.submit(_request("cold-b", _prompt(2, 1200), "s-b")),
+        "warm": controller.submit(_request("warm", base + _prompt(3, 20), "s-warm")),
+    }
+    times = _first_token_times(streams)
+    assert set(times) == {"cold-a", "cold-b", "warm"}
+    assert times["warm"] < times["cold-b"], "the warm turn waited behind a queued cold prefill"
+    assert times["cold-a"] < times["cold-b"], "the cold cap let both cold prefills run together"
+    assert_pool_clean(engine)
+    controller.shutdown(5)
+
+
+def test_fifo_keeps_arrival_order(engine):
+    controller = AdmissionController(engine, AdmissionConfig(policy="fifo"))
+    controller.start()
+    base = _prompt(0, 600)
+    controller.submit(_request("prime", base, "s-warm")).collect(60)
+    streams = {
+        "cold-a": controller.submit(_request("cold-a", _prompt(1, 1200), "s-a")),
+        "warm": controller.submit(_request("warm", base + _prompt(3, 20), "s-warm")),
+    }
+    times = _first_token_times(streams)
+    assert set(times) == {"cold-a", "warm"}
+    assert_pool_clean(engine)
+    controller.shutdown(5)
+
+
+def test_only_new_cold_work_is_shed(engine):
+    config = AdmissionConfig(
+        policy="ikcode", cold_threshold_tokens=64, ttft_bound_s=0.001, prefill_tokens_per_s=1000.0
+    )
+    controller = AdmissionController(engine, config)
+    controller.start()
+    with pytest.raises(EngineOverloaded) as shed:
+        controller.submit(_request("new-cold", _prompt(5, 1500), "s-new"))
+    assert 1 <= shed.value.retry_after_s <= 60
+    # Its retry is queued, not shed again (a session is shed at most once), and completes.
+    _, final = controller.submit(_request("new-cold-retry", _prompt(5, 1500), "s-new")).collect(60)
+    assert final.error is None
+    # A warm step of that running session is never shed.
+    _, final = controller.submit(_request("warm", _prompt(5, 1500) + [7, 8, 9], "s-new")).collect(60)
+    assert final.error is None
+    assert final.stats.cached_tokens >= 1400
+    assert controller.stats()["queue_wait"]["cold"]["shed"] >= 1
+    assert_pool_clean(engine)
+    controller.shutdown(5)

@@ -110,7 +110,7 @@ def test_host_tier_serves_what_the_gpu_tier_evicted():
 def test_eviction_keeps_prefill_admission_above_the_watermark(monkeypatch):
     """Pinned cache blocks push block usage past 90%: DeepInfer stalls every prefill
     (scheduler.hpp:80, 313). The adapter unpins before the step, so new work still runs."""
-    engine = standin_engine(num_gpu_blocks=64, gpu_tier_fraction=0.85)
+    engine = standin_engine(num_gpu_blocks=64, gpu_tier_fraction=0.85, prime_min_tokens=0)
     try:
         for i in range(7):  # 7 x 10 blocks to pin, 53 GPU-tier slots, 63 usable blocks
             run(engine, f"r{i}", random_tokens(1300, 40 + i), f"S{i}")
@@ -122,7 +122,7 @@ def test_eviction_keeps_prefill_admission_above_the_watermark(monkeypatch):
         engine.shutdown(1)
     # The same without the eviction: the sixth prompt is allocated but never prefilled.
     monkeypatch.setattr(RankCache, "evict_for", lambda self, n: 0)
-    engine = standin_engine(num_gpu_blocks=64, gpu_tier_fraction=0.85)
+    engine = standin_engine(num_gpu_blocks=64, gpu_tier_fraction=0.85, prime_min_tokens=0)
     try:
         for i in range(5):
             run(engine, f"r{i}", random_tokens(1300, 40 + i), f"S{i}")
@@ -151,3 +151,30 @@ def test_sessions_stick_to_their_rank_and_the_load_guard_moves_them():
         assert engine.router.route("X", lambda r: 0, lambda r: 5 if r == owner[0] else 0) != owner[0]
     finally:
         engine.shutdown(1)
+
+
+def test_priming_makes_identical_and_short_follow_up_prompts_resumable():
+    """Only a sequence's last 128 boundary keeps its window, and a resume leaves KEEP tokens to
+    replay: without the priming pass an identical repeat (doctor's quality gate) could never hit."""
+    engine, plain = standin_engine(), standin_engine(prime_min_tokens=0)
+    try:
+        prompt = random_tokens(3000, 21)
+        first, cold = run(engine, "a", prompt, "A")
+        wait_released(engine)
+        assert cold.stats.cached_tokens == 0 and cold.stats.computed_tokens == 3000  # primed, still cold
+        assert run(plain, "p", prompt)[0] == first  # the priming pass changes no answer
+        again, warm = run(engine, "b", prompt, "A")
+        wait_released(engine)
+        assert warm.stats.cached_tokens == (3000 - 140) // 128 * 128 and again == first
+        follow = prompt + first + random_tokens(20, 22)  # fewer new tokens than KEEP
+        _, short = run(engine, "c", follow, "A")
+        wait_released(engine)
+        assert short.stats.cached_tokens >= 0.9 * len(follow)
+        assert engine.cache_stats()["prefix_cache_requests_total"] == 3  # priming passes not counted
+        # Without priming the identical repeat finds no resumable boundary at all.
+        run(plain, "p2", prompt)
+        wait_released(plain)
+        assert run(plain, "p3", prompt)[1].stats.cached_tokens == 0
+    finally:
+        engine.shutdown(1)
+        plain.shutdown(1)

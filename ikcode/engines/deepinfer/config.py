@@ -38,6 +38,13 @@ class DeepInferConfig:
     write_through: bool = False  # copy committed pages to the host tier at once
     prefill_watermark: float = 0.9  # the engine stalls prefill admission past this usage
     commit_point: Literal["release", "final_token"] = "release"  # "final_token": the published bug
+    # DeepInfer keeps the sliding window only at a sequence's LAST 128 boundary, and a resume must
+    # leave KEEP tokens to replay: a prompt's own end is never a resume point. When the best
+    # resumable prefix is this many tokens short of P = len - KEEP (rounded down to 128), a one-
+    # token priming pass over prompt[:P + 1] runs first: it commits [0, P) with its state, the
+    # request then replays only the last KEEP..KEEP+127 tokens, and an identical or slightly
+    # longer next prompt resumes at P. 0 = off. Its tokens count as computed, never as cached.
+    prime_min_tokens: int = 512
     # Session affinity: a session stays on its rank unless that rank runs this many more
     # requests than the least loaded one.
     affinity_max_imbalance: int = 8

@@ -232,6 +232,8 @@ class DeepInferEngine:
                 return
 
     def _emit(self, kind: LifecycleKind, r: RankRequest) -> None:
+        if r.internal:
+            return
         if kind is LifecycleKind.RELEASED:
             with self._owner_lock:
                 self._owner.pop(r.request_id, None)

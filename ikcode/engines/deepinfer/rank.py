@@ -31,6 +31,7 @@ from ikcode.engines.base import (
     FinishReason,
     LifecycleKind,
     PromptTooLong,
+    RequestStream,
     TokenEvent,
 )
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
@@ -41,6 +42,10 @@ log = logging.getLogger(__name__)
 
 Emit = Callable[[LifecycleKind, RankRequest], None]
 SNAPSHOTS_PER_REQUEST = 4
+_QUERY_STATS = (
+    "requests", "query_tokens", "query_blocks", "hit_tokens_device", "hit_tokens_host",
+    "hit_blocks_device", "hit_blocks_host",
+)  # fmt: skip
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 NO_BINDING = (
     "this deepinfer build does not expose Sequence.block_table: apply ikcode's patch "
@@ -131,18 +136,21 @@ class RankWorker:
             return bool(self.live)
 
     def _admit_pending(self) -> None:
-        while self.pending:
-            r = self.pending[0]
+        for r in list(self.pending):
+            if r.prime is not None and r.prime.stats.released_at is None:
+                continue  # its priming pass runs first
+            if r.seq is None and not r.internal and r.cached_before_prime is None and self._start_prime(r):
+                continue
             try:
                 added = r.seq is not None or self._add(r)
             except Exception as exc:
-                self.pending.popleft()
+                self.pending.remove(r)
                 if r.seq is not None:
                     self.engine.abort_request(r.request_id)
                 self._fail(r, exc)
                 continue
             if not added:
-                self.pending.popleft()
+                self.pending.remove(r)
                 continue
             blocks = -(-len(r.request.prompt_token_ids) // KVSTORE_GRAIN)
             with self.lock:
@@ -150,11 +158,11 @@ class RankWorker:
             if not self.scheduler.try_allocate_seq(r.seq):
                 if any(x.admitted for x in self.live.values()):
                     return  # back-pressure: memory comes back as running requests finish
-                self.pending.popleft()
+                self.pending.remove(r)
                 free = self.scheduler.get_num_free_blocks()
                 self._fail(r, EngineOverloaded(f"rank {self.rank}: needs {blocks} KV blocks, {free} free"))
                 continue
-            self.pending.popleft()
+            self.pending.remove(r)
             try:
                 self._resume(r)
             except Exception as exc:
@@ -163,6 +171,30 @@ class RankWorker:
                 with self.lock:
                     self.cache.drop(r.request_id)
                 self._fail(r, exc)
+
+    def _start_prime(self, r: RankRequest) -> bool:
+        """Queue a priming pass over prompt[:P + 1] ahead of r when it pays (config.prime_min_tokens)."""
+        prompt = r.request.prompt_token_ids
+        keep, bs = self.config.yoco_keep_tokens, KVSTORE_GRAIN
+        target = max(0, len(prompt) - keep) // bs * bs
+        with self.lock:
+            n = self.cache.resumable_blocks(r.hashes, len(prompt), keep)
+            m = self.cache.cache.match(r.hashes[:n])
+        r.cached_before_prime = (m.device_blocks * bs, m.host_blocks * bs)
+        if not self.config.prime_min_tokens or target - n * bs < self.config.prime_min_tokens:
+            return False
+        sampling = dataclasses.replace(r.request.sampling, max_tokens=1, stop_token_ids=(), temperature=0.0)
+        request = dataclasses.replace(
+            r.request, request_id=f"{r.request_id}#prime", prompt_token_ids=list(prompt[: target + 1]),
+            sampling=sampling,
+        )  # fmt: skip
+        stream = RequestStream(request.request_id)  # nobody reads it
+        prime = RankRequest(request, stream, r.hashes[: target // bs], internal=True)
+        r.prime = prime
+        with self.lock:
+            self.live[request.request_id] = prime
+        self.pending.insert(self.pending.index(r), prime)
+        return True
 
     def _add(self, r: RankRequest) -> bool:
         s = r.request.sampling
@@ -185,9 +217,22 @@ class RankWorker:
         prompt_len = len(r.request.prompt_token_ids)
         with self.lock:
             n = self.cache.resumable_blocks(r.hashes, prompt_len, self.config.yoco_keep_tokens)
+            counted = dataclasses.replace(self.cache.cache.stats)
             device, host = self.cache.admit(r.seq, r.request_id, r.hashes, n, r.request.session_id)
+            if r.internal:  # a priming pass is not a request of anyone's
+                for name in _QUERY_STATS:
+                    setattr(self.cache.cache.stats, name, getattr(counted, name))
         self.scheduler.add_sequence(r.seq)
         r.admitted = True
+        if r.prime is not None and r.cached_before_prime is not None:
+            # What the priming pass computed a moment ago was computed for r: not a cache hit.
+            before = r.cached_before_prime
+            with self.lock:
+                stats = self.cache.cache.stats
+                extra = device - before[0]
+                stats.hit_tokens_device -= extra
+                stats.hit_blocks_device -= extra // KVSTORE_GRAIN
+            device, host = min(device, before[0]), min(host, before[1])
         r.stats.cached_tokens_device, r.stats.cached_tokens_host = device, host
         r.stats.computed_tokens = prompt_len - device - host
         r.stats.admitted_at = time.monotonic()

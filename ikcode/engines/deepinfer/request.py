@@ -26,6 +26,9 @@ class RankRequest:
     # Sliding-window state taken at 128 boundaries while it ran (the engine keeps only the last
     # one), so a next turn that adds fewer than KEEP tokens can still resume close to its end.
     snapshots: dict[int, Any] = field(default_factory=dict)
+    internal: bool = False  # a priming pass: no stream reader, no lifecycle events, no stats
+    prime: RankRequest | None = None  # the priming pass this request waits for
+    cached_before_prime: tuple[int, int] | None = None  # (device, host) tokens cached at lookup
 
     def __post_init__(self) -> None:
         self.engine_tokens = list(self.request.prompt_token_ids)

@@ -1,0 +1,68 @@
+"""`ikcode doctor` against the gateway over the DeepInfer adapter (stand-in): the adapter that
+commits in finalize_seq passes the quality gate and the silent-miss check; the variant that
+commits at the final token (the published regression) fails both, for the right reason."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ikcode import auth
+from ikcode.admission import AdmissionConfig, AdmissionController
+from ikcode.doctor import FAIL, FULL, PASS, QUICK, DoctorContext, run_checks
+from ikcode.gateway import BackgroundServer, GatewaySettings, create_app
+from ikcode.profiles import load_profile
+from tests.deepinfer_standin.harness import standin_engine
+from tests.test_gateway_support import tiny_tokenizer
+
+CHECKS = ["endpoint", "contract", "quality_gate", "silent_miss"]
+
+
+def doctor_on_deepinfer(tmp_path, project, mode: str, **engine_config):
+    engine = standin_engine(ranks=2, num_gpu_blocks=1024, max_model_len=32768, **engine_config)
+    controller = AdmissionController(engine, AdmissionConfig())
+    controller.start()
+    token = auth.load_or_create_token()
+    log = tmp_path / "requests.jsonl"
+    settings = GatewaySettings(
+        served_model="deepseek-v4.1-flash", model_aliases=("claude-opus-4-8",), default_temperature=0.0,
+        auth_tokens={"launcher": token}, request_log_path=log, max_output_tokens=256,
+    )  # fmt: skip
+    server = BackgroundServer(create_app(controller, tiny_tokenizer(), settings)).start()
+    try:
+        ctx = DoctorContext(
+            profile=load_profile("deepinfer-4xb200"), base_url=server.url, token=token, mode=mode,
+            project_dir=project, environ={"PATH": os.environ.get("PATH", "")}, request_log=log,
+        )  # fmt: skip
+        return {r.name: r for r in run_checks(ctx, CHECKS)}
+    finally:
+        server.stop()
+        controller.shutdown(drain_timeout_s=1)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "claude-config"))
+    folder = tmp_path / "project"
+    folder.mkdir()
+    return folder
+
+
+@pytest.mark.slow
+def test_doctor_passes_the_adapter_that_commits_in_finalize_seq(tmp_path, project):
+    results = doctor_on_deepinfer(tmp_path, project, FULL)
+    gate, miss = results["quality_gate"], results["silent_miss"]
+    assert gate.status == PASS, gate.detail
+    assert all(d["match"] and d["warm_hit_rate"] >= 0.95 for d in gate.data["documents"])
+    assert all(d["cold_hit_rate"] < 0.5 for d in gate.data["documents"])
+    assert miss.status == PASS, miss.detail
+
+
+def test_doctor_catches_the_final_token_commit(tmp_path, project):
+    results = doctor_on_deepinfer(tmp_path, project, QUICK, commit_point="final_token")
+    gate, miss = results["quality_gate"], results["silent_miss"]
+    assert gate.status == FAIL and "read only 0.0% from cache" in gate.detail, gate.detail
+    assert gate.data["documents"][0]["match"]  # answers agree: only the cache is broken
+    assert miss.status == FAIL and "the cache never hit" in miss.detail, miss.detail
+    assert results["endpoint"].status == PASS and results["contract"].status == PASS

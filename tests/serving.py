@@ -28,7 +28,8 @@ def local_profile(tmp_path: Path, port: int, max_output_tokens: int = 64) -> Pat
     """The shipped `local` profile on another port, greedy by default, with bounded answers."""
     text = (shipped_profiles_dir() / "local.toml").read_text()
     text = text.replace("port = 8741", f"port = {port}")
-    text = text.replace("threads = 2 ", "default_temperature = 0.0\nthreads = 2 ")
+    text = text.replace("default_temperature = 0.2", "default_temperature = 0.0")
+    assert "default_temperature = 0.0" in text
     text = text.replace("max_output_tokens = 1024", f"max_output_tokens = {max_output_tokens}")
     path = tmp_path / "test-local.toml"
     path.write_text(text)

@@ -164,7 +164,8 @@ class DeepInferEngine:
                 total.running += sum(1 for r in live if r.admitted and not r.closed)
                 total.waiting += sum(1 for r in live if not r.admitted)
                 total.kv_blocks_total += w.total_blocks
-                total.kv_blocks_used += w.total_blocks - free
+                evictable = len(w.cache.cache.policy)  # pinned by the cache alone: can be unpinned
+                total.kv_blocks_used += w.total_blocks - free - evictable
                 total.kv_blocks_cached += w.cache.num_pinned
                 total.host_blocks_total += w.cache.cache.num_host_blocks
                 total.host_blocks_used += len(w.cache.cache.host)

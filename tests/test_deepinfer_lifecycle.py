@@ -138,3 +138,20 @@ def test_bad_input_is_refused_synchronously(engine):
         submit(engine, "long", [5] * 40000)
     with pytest.raises(EngineError):
         submit(engine, "oov", [5, 400])
+
+
+def test_commit_survives_a_from_engine_args_that_ignores_the_subclass(monkeypatch):
+    from tests.deepinfer_standin import llm_engine
+
+    base_only = classmethod(lambda cls, args: llm_engine.LLMEngine(args))
+    monkeypatch.setattr(llm_engine.LLMEngine, "from_engine_args", base_only)
+    engine = standin_engine()
+    try:
+        prompt = random_tokens(2000, 3)
+        reply, _ = submit(engine, "a", prompt, max_tokens=8).collect(10)
+        wait_released(engine)
+        _, final = submit(engine, "b", prompt + reply + random_tokens(300, 4)).collect(10)
+        assert final.stats.cached_tokens >= 0.95 * len(prompt)
+        wait_released(engine)
+    finally:
+        engine.shutdown(1)

@@ -34,6 +34,7 @@ from ikcode.engines.base import (
     RequestStream,
     TokenEvent,
 )
+from ikcode.engines.deepinfer.caching_engine import make_caching_engine
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
 from ikcode.engines.deepinfer.rank_cache import RankCache
 from ikcode.engines.deepinfer.request import RankRequest
@@ -53,24 +54,6 @@ NO_BINDING = (
 )
 
 
-def caching_engine_class(base: type) -> type:
-    """DeepInfer's LLMEngine with finalize_seq overridden: cache work first, then the parent
-    frees the sequence (facts: "Commit inside finalize_seq (override it, ...)")."""
-
-    class CachingLLMEngine(base):  # type: ignore[misc, valid-type]
-        ikcode_rank: RankWorker | None = None
-
-        def finalize_seq(self, seq: Any) -> None:
-            if self.ikcode_rank is not None:
-                try:
-                    self.ikcode_rank.on_finalize(seq)
-                except Exception:
-                    log.exception("cache commit failed for %s", getattr(seq, "request_id", "?"))
-            super().finalize_seq(seq)
-
-    return CachingLLMEngine
-
-
 class RankWorker:
     def __init__(
         self, rank: int, backend: Any, config: DeepInferConfig, eos_ids: tuple[int, ...], emit: Emit
@@ -85,7 +68,7 @@ class RankWorker:
             gpu_memory_utilization=config.gpu_memory_utilization, chunked_prefill=config.chunked_prefill,
             data_parallel_size=config.data_parallel_size, engine_rank=rank, **config.engine_args,
         )  # fmt: skip
-        self.engine = caching_engine_class(backend.LLMEngine).from_engine_args(args)
+        self.engine = make_caching_engine(backend.LLMEngine, args)
         self.engine.ikcode_rank = self
         self.scheduler = self.engine.scheduler
         self.total_blocks = self.scheduler.get_num_free_blocks()  # nothing allocated yet

@@ -11,9 +11,12 @@ and of the same prompt plus a --tail-tokens tail once the first request has been
 
 transformers runs `LlamaForCausalLM` over the very state dict the engine gets (load_model(None)):
 a bare forward with its KV cache and `logits_to_keep=1`, no generate() overhead, which is the most
-favourable reading of its speed. Numbers are medians of --repeats runs; the machine may be shared
-with other work, so compare numbers from the same run only. transformers (and accelerate) are
-bench dependencies, not runtime ones.
+favourable reading of its speed. The machine may be shared with other work, so the two run in the
+same process, interleaved (engine, transformers, engine, ...), and each number is the best of
+--repeats runs: background load only ever slows a run down, so the best run is the closest to the
+machine's real speed. The 1-minute load average is printed next to each section (above the core
+count means other work competed). Compare numbers from the same run only. transformers (and
+accelerate) are bench dependencies, not runtime ones.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import random
-import statistics
 import sys
 import threading
 import time
@@ -144,30 +147,55 @@ def _cache_of(out):
 
 
 # ---- the run ----------------------------------------------------------------------------------
-def median_of(repeats: int, measure) -> float:
-    return statistics.median(measure() for _ in range(repeats))
+def load_average() -> float:
+    return os.getloadavg()[0]
+
+
+def best_interleaved(repeats: int, measures: dict) -> dict:
+    """Best (highest) of `repeats` runs of each measure, run in turn so load hits all alike."""
+    best = dict.fromkeys(measures, 0.0)
+    for _ in range(repeats):
+        for name, measure in measures.items():
+            best[name] = max(best[name], measure())
+    return best
 
 
 def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) -> dict:
     vocab = model.config.vocab_size
     kv_bytes = model.config.kv_bytes_per_token * (args.long_tokens + args.tail_tokens + 512)
-    row: dict = {"threads": threads}
+    row: dict = {"threads": threads, "load_avg_start": load_average()}
     engine = EngineBench(model, threads, kv_bytes)
+    hf = None if args.skip_transformers else TransformersBench(model)
+    torch.set_num_threads(threads)  # this thread runs transformers
+    prefill_prompt = lambda: random_prompt(rng, args.prefill_tokens, vocab)  # noqa: E731
+    decode_prompt = lambda: random_prompt(rng, 32, vocab)  # noqa: E731
     try:
         engine.run(random_prompt(rng, 64, vocab), max_tokens=4)  # warm-up
-        row["engine_prefill_tps"] = median_of(
-            args.repeats, lambda: engine.prefill_tps(random_prompt(rng, args.prefill_tokens, vocab))
-        )
-        row["engine_decode_tps"] = median_of(
-            args.repeats, lambda: engine.decode_tps(random_prompt(rng, 32, vocab), args.decode_tokens)
-        )
+        measures = {
+            "engine_prefill_tps": lambda: engine.prefill_tps(prefill_prompt()),
+            "engine_decode_tps": lambda: engine.decode_tps(decode_prompt(), args.decode_tokens),
+        }
+        if hf is not None:
+            hf.prefill_tps(random_prompt(rng, 64, vocab))  # warm-up
+            measures["hf_prefill_tps"] = lambda: hf.prefill_tps(prefill_prompt())
+            measures["hf_decode_tps"] = lambda: hf.decode_tps(decode_prompt(), args.decode_tokens)
+        # Prefill pairs first, then decode pairs: each pair back to back.
+        order = sorted(measures, key=lambda name: "decode" in name)
+        row |= best_interleaved(args.repeats, {name: measures[name] for name in order})
+        row["load_avg_speed"] = load_average()
         row["engine_thread_count_seen"] = engine.engine_threads[0] if engine.engine_threads else None
         if not args.skip_ttft:
-            long_prompt = random_prompt(rng, args.long_tokens, vocab)
-            salt = uuid.uuid4().hex  # same namespace for both requests, fresh for this run
-            _, cold = engine.run(long_prompt, max_tokens=1, salt=salt)
-            tail = random_prompt(rng, args.tail_tokens, vocab)
-            _, warm = engine.run(long_prompt + tail, max_tokens=1, salt=salt)
+            colds, warms = [], []
+            for _ in range(args.ttft_repeats):
+                long_prompt = random_prompt(rng, args.long_tokens, vocab)
+                salt = uuid.uuid4().hex  # same namespace for both requests, fresh for this pair
+                _, cold = engine.run(long_prompt, max_tokens=1, salt=salt)
+                tail = random_prompt(rng, args.tail_tokens, vocab)
+                _, warm = engine.run(long_prompt + tail, max_tokens=1, salt=salt)
+                colds.append(cold)
+                warms.append(warm)
+            cold = min(colds, key=lambda s: s.ttft_s)
+            warm = min(warms, key=lambda s: s.ttft_s)
             row |= {
                 "cold_ttft_s": cold.ttft_s,
                 "cold_cached_tokens": cold.cached_tokens,
@@ -175,21 +203,11 @@ def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) ->
                 "warm_cached_tokens": warm.cached_tokens,
                 "warm_prompt_tokens": warm.prompt_tokens,
                 "warm_speedup": cold.ttft_s / warm.ttft_s,
+                "load_avg_ttft": load_average(),
             }
     finally:
         engine.close()
-
-    if not args.skip_transformers:
-        torch.set_num_threads(threads)
-        hf = TransformersBench(model)
-        hf.prefill_tps(random_prompt(rng, 64, vocab))  # warm-up
-        row["hf_prefill_tps"] = median_of(
-            args.repeats, lambda: hf.prefill_tps(random_prompt(rng, args.prefill_tokens, vocab))
-        )
-        row["hf_decode_tps"] = median_of(
-            args.repeats, lambda: hf.decode_tps(random_prompt(rng, 32, vocab), args.decode_tokens)
-        )
-        del hf
+        hf = None  # free its weights before the next thread count
     return row
 
 
@@ -198,24 +216,27 @@ def print_table(rows: list[dict], args) -> None:
         return "-" if value is None else format(value, spec)
 
     print(f"\nprefill: {args.prefill_tokens}-token prompts; decode: {args.decode_tokens} tokens; "
-          f"median of {args.repeats}")  # fmt: skip
-    print(f"{'threads':>7} | {'prefill tok/s':>25} | {'decode tok/s':>25}")
-    print(f"{'':>7} | {'engine':>8} {'transf.':>8} {'ratio':>7} | {'engine':>8} {'transf.':>8} {'ratio':>7}")
+          f"best of {args.repeats}, interleaved; {os.cpu_count()} cores")  # fmt: skip
+    print(f"{'threads':>7} | {'prefill tok/s':>25} | {'decode tok/s':>25} | {'load avg':>11}")
+    print(f"{'':>7} | {'engine':>8} {'transf.':>8} {'ratio':>7} | {'engine':>8} {'transf.':>8} {'ratio':>7} "
+          f"| {'start':>5} {'end':>5}")  # fmt: skip
     for r in rows:
         keys = ("engine_prefill_tps", "hf_prefill_tps", "engine_decode_tps", "hf_decode_tps")
         ep, hp, ed, hd = (r.get(k) for k in keys)
         pr = ep / hp if ep and hp else None
         dr = ed / hd if ed and hd else None
         print(f"{r['threads']:>7} | {fmt(ep):>8} {fmt(hp):>8} {fmt(pr, '.2f'):>7} | "
-              f"{fmt(ed):>8} {fmt(hd):>8} {fmt(dr, '.2f'):>7}")  # fmt: skip
+              f"{fmt(ed):>8} {fmt(hd):>8} {fmt(dr, '.2f'):>7} | "
+              f"{r['load_avg_start']:>5.2f} {r['load_avg_speed']:>5.2f}")  # fmt: skip
     if not args.skip_ttft:
         print(f"\nembedded engine TTFT: {args.long_tokens}-token prompt cold, "
-              f"then the same + {args.tail_tokens} new tokens warm")  # fmt: skip
-        print(f"{'threads':>7} | {'cold s':>8} {'warm s':>8} {'speedup':>8} | {'warm cached/prompt':>20}")
+              f"then the same + {args.tail_tokens} new tokens warm; best of {args.ttft_repeats}")  # fmt: skip
+        print(f"{'threads':>7} | {'cold s':>8} {'warm s':>8} {'speedup':>8} | {'warm cached/prompt':>20} "
+              f"| {'load avg':>8}")  # fmt: skip
         for r in rows:
             cached = f"{r['warm_cached_tokens']}/{r['warm_prompt_tokens']}"
             print(f"{r['threads']:>7} | {r['cold_ttft_s']:>8.2f} {r['warm_ttft_s']:>8.3f} "
-                  f"{r['warm_speedup']:>7.1f}x | {cached:>20}")  # fmt: skip
+                  f"{r['warm_speedup']:>7.1f}x | {cached:>20} | {r['load_avg_ttft']:>8.2f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--long-tokens", type=int, default=6000)
     parser.add_argument("--tail-tokens", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="runs per speed measure (best kept)")
+    parser.add_argument("--ttft-repeats", type=int, default=1, help="cold/warm pairs (best kept)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
@@ -236,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     model = load_model(args.model)
     how = "weight cache hit" if model.from_cache else "dequantized"
-    print(f"model {model.config.name} from {model.source} ({how} in {model.load_seconds:.2f} s)")
+    print(f"model {model.config.name} from {model.source} ({how} in {model.load_seconds:.2f} s); "
+          f"load average {load_average():.2f} on {os.cpu_count()} cores")  # fmt: skip
     rows = []
     for threads in (int(t) for t in args.threads.split(",")):
         print(f"threads={threads} ...", flush=True)

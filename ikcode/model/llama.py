@@ -12,7 +12,8 @@ are not a multiple of 4 split badly), and the SDPA kernel cuts queries and keys 
 tiles. A token therefore gets the same numbers whatever else is in the batch, and whether its prefix
 came from the cache or was computed, when:
 - prompt rows go through matmuls of a multiple of 4 rows (padding rows added by the caller) and
-  each decode row through its own one-row matmul (`ForwardBatch.row_groups`), the output layer included;
+  each decode row through its own one-row matmul (`ForwardBatch.row_groups`); every sampled row
+  goes through the output layer alone;
 - prompt attention sees keys padded to a multiple of KEY_TILE (one fixed key tiling; padding is
   masked) and a query count whose last query tile is not a 1-3 row remainder (`padded_query_rows`);
 - decode attention (one new token of a sequence that is generating) always takes the same shape:
@@ -92,7 +93,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)  # one fused kernel
 
 
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -140,12 +141,11 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         rows = x.shape[0]
         qkv = grouped_linear(x, self.qkv_weight_t, self.qkv_bias, batch.row_groups)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(rows, self.num_heads, self.head_dim)
-        k = k.view(rows, self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated together
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
         flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_pool.view(-1, self.num_kv_heads, self.head_dim)
         flat_k.index_copy_(0, batch.write_slots, k.index_select(0, batch.write_rows))
@@ -170,7 +170,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
         gate, up = grouped_linear(x, self.gate_up_weight_t, None, groups).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.down_weight_t, None, groups)
+        return grouped_linear(F.silu(gate).mul_(up), self.down_weight_t, None, groups)
 
     def forward(
         self,
@@ -182,7 +182,7 @@ class DecoderLayer(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         x = x + self.attention(self.input_layernorm(x), batch, cos, sin, k_pool, v_pool)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.row_groups)
+        return x.add_(self.mlp(self.post_attention_layernorm(x), batch.row_groups))
 
 
 class LlamaModel(nn.Module):
@@ -236,12 +236,9 @@ class LlamaModel(nn.Module):
             x = layer(x, batch, cos, sin, k_pools[i], v_pools[i])
         return x
 
-    def logits(self, hidden_rows: torch.Tensor, pad_to_4: bool) -> torch.Tensor:
-        """Logits of the selected rows. pad_to_4: in a matmul of a multiple of 4 rows (prompt rows
-        when batch-invariant); a lone decode row is given alone (the one-row kernel is always the same).
-        """
-        n = hidden_rows.shape[0]
+    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        """Logits of the selected rows, each row in its own one-row matmul: the same kernel whatever
+        else samples in the step (batch-invariant), and with [in, out] weights a one-row matmul is
+        as fast per row as a 4-row one, so nothing is lost."""
         h = self.norm(hidden_rows)
-        if pad_to_4 and n % 4:
-            h = F.pad(h, (0, 0, 0, 4 - n % 4))
-        return torch.mm(h, self.lm_head_t)[:n]
+        return torch.cat([torch.mm(h[i : i + 1], self.lm_head_t) for i in range(h.shape[0])])

@@ -81,9 +81,8 @@ class ModelRunner:
         self.v_pool[:, dev] = self.v_host[:, host].to(self.device)
 
     # ---- one step --------------------------------------------------------------------------
-    def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[int], list[bool]]:
-        """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none)
-        and whether that row is a decode row."""
+    def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[int]]:
+        """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none)."""
         bs, cfg = self.block_size, self.cfg
         group = cfg.num_heads // cfg.num_kv_heads
         # Prompt (prefill) rows first, then decode rows, so prompt rows share one matmul.
@@ -138,9 +137,7 @@ class ModelRunner:
         batch = ForwardBatch(
             self._ids(ids), self._ids(pos), self._ids(write_rows), self._ids(write_slots), seqs, groups
         )
-        rows = [sample_row.get(id(s.seq), -1) for s in scheduled]
-        is_decode = [self.batch_invariant and s.seq.is_decoding for s in scheduled]
-        return batch, rows, is_decode
+        return batch, [sample_row.get(id(s.seq), -1) for s in scheduled]
 
     def _ids(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
@@ -157,19 +154,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, list[int]]:
         """Logits [n, vocab] (CPU) for the sequences that sample this step, and their indexes."""
-        batch, rows, is_decode = self.build_batch(scheduled)
+        batch, rows = self.build_batch(scheduled)
         hidden = self.model(batch, self.k_pool, self.v_pool)
         which = [i for i, r in enumerate(rows) if r >= 0]
         if not which:
             return torch.empty(0, self.cfg.vocab_size), []
-        # Prompt rows together (a multiple of 4 rows when batch-invariant), each decode row alone.
-        together = [i for i in which if not is_decode[i]]
-        alone = [i for i in which if is_decode[i]]
-        parts: dict[int, torch.Tensor] = {}
-        if together:
-            picked = hidden[self._ids([rows[i] for i in together])]
-            for i, row in zip(together, self.model.logits(picked, self.batch_invariant), strict=True):
-                parts[i] = row
-        for i in alone:
-            parts[i] = self.model.logits(hidden[rows[i] : rows[i] + 1], False)[0]
-        return torch.stack([parts[i] for i in which]).float().cpu(), which
+        picked = hidden[self._ids([rows[i] for i in which])]
+        return self.model.logits(picked).float().cpu(), which

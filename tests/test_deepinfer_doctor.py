@@ -50,8 +50,9 @@ def project(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_doctor_passes_the_adapter_that_commits_in_finalize_seq(tmp_path, project):
-    results = doctor_on_deepinfer(tmp_path, project, FULL)
+@pytest.mark.parametrize("mode", [QUICK, FULL])
+def test_doctor_passes_the_adapter_that_commits_in_finalize_seq(tmp_path, project, mode):
+    results = doctor_on_deepinfer(tmp_path, project, mode)
     gate, miss = results["quality_gate"], results["silent_miss"]
     assert gate.status == PASS, gate.detail
     assert all(d["match"] and d["warm_hit_rate"] >= 0.95 for d in gate.data["documents"])

@@ -21,11 +21,18 @@ CHARS_PER_TOKEN_GUESS = 4.0
 RELEASE_PAUSE_S = 0.3  # engines commit a prefix when they release the sequence, just after the reply
 
 
-def document_sizes(window: int, mode: str) -> list[int]:
+# A warm read can miss up to about one block at the end, plus whatever the engine must recompute
+# before resuming (DeepInfer: 140 tokens, 128-token blocks). A document of this many blocks keeps
+# that margin under the 5% the gate allows.
+BLOCKS_PER_DOCUMENT = 50
+
+
+def document_sizes(window: int, mode: str, block_size: int = 16) -> list[int]:
     """Target prompt sizes in tokens: one of a few thousand (quick), several up to 200K (full)."""
     room = min(window - 512, MAX_TOKENS)
     if mode != FULL:
-        return [max(256, min(QUICK_TOKENS, int(window * 0.45)))]
+        quick = max(QUICK_TOKENS, BLOCKS_PER_DOCUMENT * block_size)
+        return [max(256, min(quick, int(window * 0.45)))]
     fractions = (0.25, 0.5, 0.9) if room <= 32_768 else (0.1, 0.25, 0.5, 0.75, 1.0)
     return [max(256, int(room * f)) for f in fractions]
 
@@ -86,7 +93,8 @@ def check_quality_gate(ctx: DoctorContext) -> CheckResult:
     model = ctx.model_id or ctx.profile.served_model
     window = ctx.context_window or ctx.profile.context_window
     ratio = _chars_per_token(ctx, model)
-    docs = [ask_twice(ctx, model, size, ratio) for size in document_sizes(window, ctx.mode)]
+    block = int((ctx.health or {}).get("block_size") or 16)
+    docs = [ask_twice(ctx, model, size, ratio) for size in document_sizes(window, ctx.mode, block)]
     data: dict[str, Any] = {"documents": docs, "min_warm_hit_rate": MIN_WARM_HIT}
     problems = []
     for doc in docs:

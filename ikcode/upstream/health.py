@@ -1,7 +1,9 @@
 """Health checks: a replica that does not answer is taken out; one that answers again comes back.
 
 Any HTTP answer counts as alive (a 401 or 404 still proves the server is there); only a failed
-connection or a timeout takes a replica out. Requests take a replica out too, on a failed
+connection or a timeout takes a replica out. A replica that accepted the connection but is slow
+to answer while it serves requests is busy, not dead: single-slot servers (llama-cpp-python's)
+answer /models only between generations. Requests take a replica out too, on a failed
 connection, without waiting for the next check.
 """
 
@@ -22,13 +24,22 @@ def health_url(up: Upstream, url: str) -> str:
 
 
 async def check_once(up: Upstream) -> None:
+    def _down(replica, err: Exception) -> None:
+        if replica.healthy:
+            logger.warning("replica %s (%s) failed its health check: %s", replica.name, replica.url, err)
+        up.router.mark_down(replica, f"health check: {type(err).__name__}")
+
     async def probe(replica) -> None:
         try:
             await up.http().get(health_url(up, replica.url), timeout=min(5.0, up.config.health_interval_s))
+        except (httpx.ReadTimeout, httpx.PoolTimeout) as err:
+            if replica.in_flight > 0:
+                logger.debug("replica %s is busy (%s); keeping it", replica.name, type(err).__name__)
+                return
+            _down(replica, err)
+            return
         except (httpx.HTTPError, OSError) as err:
-            if replica.healthy:
-                logger.warning("replica %s (%s) failed its health check: %s", replica.name, replica.url, err)
-            up.router.mark_down(replica, f"health check: {type(err).__name__}")
+            _down(replica, err)
             return
         if not replica.healthy:
             logger.info("replica %s (%s) is back", replica.name, replica.url)

@@ -132,6 +132,7 @@ async def _translate(
         await aclose_quietly(response)
         up.router.release(replica)
         reason = None if error else tr.stop_reason_now()
+        record["usage_source"] = tr.usage_source
         _finish(up, record, tr.usage, first_at, reason, arrived, error)
 
 
@@ -145,6 +146,7 @@ def _finish(
     error: str | None,
 ) -> None:
     finish_record(record, usage.prompt_tokens, usage.cached_tokens, usage.output_tokens)
+    record.setdefault("usage_source", "reported_by_upstream")
     record.update(
         ttft_ms=None if first_at is None else round((first_at - arrived) * 1000, 2),
         duration_ms=round((time.monotonic() - arrived) * 1000, 2),

@@ -79,11 +79,11 @@ def _assistant(blocks: list[dict[str, Any]]) -> dict[str, Any]:
                 }
             )
         # thinking / redacted_thinking: dropped
-    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    # A call-only turn says content "" rather than null: the spec allows null, but some servers
+    # accept only a string (llama-cpp-python's schema) and their chat templates read it anyway.
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if calls:
         message["tool_calls"] = calls
-    elif message["content"] is None:
-        message["content"] = ""
     return message
 
 

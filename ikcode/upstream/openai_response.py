@@ -31,10 +31,14 @@ class UpstreamUsage:
     cached_tokens: int | None = None  # None: the upstream did not report its cache
 
     @classmethod
-    def from_openai(cls, usage: dict[str, Any] | None) -> UpstreamUsage:
+    def from_openai(cls, usage: dict[str, Any] | None, timings: Any = None) -> UpstreamUsage:
+        """`timings.cache_n` is llama.cpp's llama-server report of prompt tokens reused from
+        its slot's cache, used when `prompt_tokens_details` says nothing."""
         usage = usage or {}
         details = usage.get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        if cached is None and isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+            cached = timings["cache_n"]
         return cls(int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0), cached)
 
     def anthropic(self) -> dict[str, int]:
@@ -89,7 +93,7 @@ def to_message(
             }
         )
     reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), stops, bool(calls))
-    usage = UpstreamUsage.from_openai(completion.get("usage"))
+    usage = UpstreamUsage.from_openai(completion.get("usage"), completion.get("timings"))
     body = {
         "id": message_id,
         "type": "message",

@@ -3,7 +3,9 @@
 Text deltas open a text block; each tool call index opens a tool_use block whose argument
 fragments go out as `input_json_delta`. Reasoning deltas are dropped. The final usage chunk
 (`stream_options.include_usage`) lands in `message_delta.usage`, which Claude Code reads as the
-whole usage when it carries the full set.
+whole usage when it carries the full set. A server that ignores `include_usage`
+(llama-cpp-python) sends none: output tokens are then the streamed delta chunks (one token each on
+the servers that do this), marked "counted_by_ikcode"; prompt tokens stay 0 (unknown).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ class StreamTranslator:
         self.usage = UpstreamUsage()
         self.saw_tools = False
         self.first_token = False  # a content or tool delta went out
+        self.usage_reported = False
+        self.delta_chunks = 0  # chunks that carried text or tool arguments
 
     def start(self) -> bytes:
         message = {
@@ -56,10 +60,13 @@ class StreamTranslator:
 
     def feed(self, chunk: dict[str, Any]) -> Iterator[bytes]:
         if chunk.get("usage"):
-            self.usage = UpstreamUsage.from_openai(chunk["usage"])
+            self.usage = UpstreamUsage.from_openai(chunk["usage"], chunk.get("timings"))
+            self.usage_reported = True
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             text = delta.get("content")
+            if text or delta.get("tool_calls"):
+                self.delta_chunks += 1
             if text:
                 if self.open_kind != "text":
                     yield from self._open("text", {"type": "text", "text": ""})
@@ -101,8 +108,14 @@ class StreamTranslator:
     def stop_reason_now(self) -> str:
         return stop_reason(self.finish_reason, self.matched_stop, self.stops, self.saw_tools)[0]
 
+    @property
+    def usage_source(self) -> str:
+        return "reported_by_upstream" if self.usage_reported else "counted_by_ikcode"
+
     def finish(self) -> Iterator[bytes]:
         yield from self._close()
+        if not self.usage_reported:
+            self.usage.output_tokens = self.delta_chunks
         reason, sequence = stop_reason(self.finish_reason, self.matched_stop, self.stops, self.saw_tools)
         yield sse_event(
             {

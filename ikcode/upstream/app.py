@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ikcode.gateway.app import _authenticate, _EdgeMiddleware, _model_info, _read_model
+from ikcode.gateway.edge import EdgeMiddleware, authenticate, model_info, read_model
 from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.messages import check_model, new_message_id
 from ikcode.gateway.request_log import RequestLog
@@ -85,7 +85,7 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
 
     app = FastAPI(title="ikcode upstream", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.upstream = up
-    app.add_middleware(_EdgeMiddleware, gw=up)
+    app.add_middleware(EdgeMiddleware, gw=up)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -115,14 +115,14 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
         }
 
         async def handler() -> Response:
-            record["user"] = _authenticate(up, request)
+            record["user"] = authenticate(up, request)
             up.in_flight += 1
             up.metrics.in_flight.inc()
             try:
                 if config.kind == "anthropic":
                     raw = await _read_raw(up, request)
                     return await anthropic_proxy.forward_messages(up, request, raw, record, arrived)
-                body = await _read_model(up, request, MessagesRequest)
+                body = await read_model(up, request, MessagesRequest)
                 check_model(up, body.model)
                 record.update(model=body.model, stream=bool(body.stream))
                 return await openai_proxy.forward_messages(up, request, body, record, arrived)
@@ -141,10 +141,10 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         async def handler() -> Response:
-            _authenticate(up, request)
+            authenticate(up, request)
             if config.kind == "anthropic":
                 return await anthropic_proxy.forward_count_tokens(up, request, await _read_raw(up, request))
-            body = await _read_model(up, request, CountTokensRequest)
+            body = await read_model(up, request, CountTokensRequest)
             check_model(up, body.model)
             return await openai_proxy.count_tokens(up, request, body)
 
@@ -153,8 +153,8 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
     @app.get("/v1/models")
     async def list_models(request: Request) -> Response:
         async def handler() -> Response:
-            _authenticate(up, request)
-            info = _model_info(up, settings.served_model)
+            authenticate(up, request)
+            info = model_info(up, settings.served_model)
             return JSONResponse(
                 {"data": [info], "has_more": False, "first_id": info["id"], "last_id": info["id"]}
             )
@@ -164,9 +164,9 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
     @app.get("/v1/models/{model_id:path}")
     async def get_model(request: Request, model_id: str) -> Response:
         async def handler() -> Response:
-            _authenticate(up, request)
+            authenticate(up, request)
             check_model(up, model_id)
-            return JSONResponse(_model_info(up, model_id))
+            return JSONResponse(model_info(up, model_id))
 
         return await guarded(request, handler)
 
@@ -195,7 +195,7 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
         async def handler() -> Response:
-            _authenticate(up, request)
+            authenticate(up, request)
             return Response(generate_latest(up.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
         return await guarded(request, handler)

@@ -1,0 +1,140 @@
+"""The edge both front apps share (the gateway over an engine, the upstream front over servers):
+path prefixes, body size, request counting, auth, strict body parsing, the model card.
+
+They take any state with `settings` (GatewaySettings), `metrics.requests` (a labelled Counter)
+and `context_window`: the gateway's `Gateway` and the upstream's `Upstream` both qualify.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ikcode.gateway.errors import APIError, invalid_request
+from ikcode.gateway.settings import GatewaySettings
+
+KNOWN_ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/")
+
+
+class EdgeState(Protocol):
+    settings: GatewaySettings
+    metrics: Any  # has .requests: Counter labelled (route, status)
+    context_window: int
+
+
+class EdgeMiddleware:
+    """Path prefix stripping, the Content-Length size check and request counting, in one pass."""
+
+    def __init__(self, app: ASGIApp, gw: EdgeState):
+        self.app = app
+        self.gw = gw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if not path.startswith("/v1/") and "/v1/" in path:  # http://host/prefix/v1/messages
+            path = path[path.index("/v1/") :]
+        elif scope["method"] == "HEAD" and "/v1/" not in path:  # HEAD {ANTHROPIC_BASE_URL}
+            path = "/"
+        if path != scope["path"]:
+            scope = dict(scope, path=path, raw_path=path.encode())
+        route = (
+            path
+            if path in KNOWN_ROUTES
+            else ("/v1/models/{id}" if path.startswith("/v1/models/") else "other")
+        )
+        status = {"code": 500}
+
+        async def counting_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        try:
+            if length is not None and length.isdigit() and int(length) > self.gw.settings.max_body_bytes:
+                response = error_response(too_large(self.gw))
+                return await response(scope, receive, counting_send)
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.gw.metrics.requests.labels(route, str(status["code"])).inc()
+
+
+def too_large(gw: EdgeState) -> APIError:
+    return APIError(413, f"request body is larger than {gw.settings.max_body_bytes} bytes")
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+async def read_model(gw: EdgeState, request: Request, model: type[BaseModel]) -> Any:
+    """The body, size-checked while it streams in, parsed strictly, validated into `model`."""
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > gw.settings.max_body_bytes:
+            raise too_large(gw)
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    try:
+        # pydantic parses the bytes itself (far faster than json.loads on multi-megabyte bodies).
+        return model.model_validate_json(raw)
+    except ValidationError as error:
+        if any(e.get("type") == "json_invalid" for e in error.errors(include_input=False, include_url=False)):
+            raise invalid_request("request body is not valid JSON") from None
+        if any(e.get("type") == "model_type" and not e.get("loc") for e in error.errors(include_url=False)):
+            raise invalid_request("request body must be a JSON object") from None
+        raise invalid_request(validation_message(error)) from None
+    except (ValueError, RecursionError):
+        raise invalid_request("request body is not valid JSON or is nested too deeply") from None
+
+
+def validation_message(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors(include_input=False, include_url=False)[:3]:
+        where = ".".join(str(p) for p in item.get("loc", ())) or "body"
+        parts.append(f"{where}: {item.get('msg', 'invalid')}")
+    more = error.error_count() - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def authenticate(gw: EdgeState, request: Request) -> str | None:
+    """The name of the token presented, None when auth is off; 401 otherwise."""
+    tokens = gw.settings.auth_tokens
+    if not tokens:
+        return None
+    presented = [request.headers.get("x-api-key", "")]
+    authorization = request.headers.get("authorization", "")
+    if authorization[:7].lower() == "bearer ":
+        presented.append(authorization[7:].strip())
+    presented = [p for p in presented if p]
+    if not presented:
+        raise APIError(401, "missing credentials: send x-api-key or Authorization: Bearer <token>")
+    match = None
+    for name, token in tokens.items():  # compare against every token: no early exit
+        for candidate in presented:
+            if hmac.compare_digest(candidate.encode(), token.encode()):
+                match = name
+    if match is None:
+        raise APIError(401, "invalid authentication token")
+    return match
+
+
+def model_info(gw: EdgeState, model_id: str) -> dict[str, Any]:
+    return {
+        "type": "model",
+        "id": model_id,
+        "display_name": gw.settings.display_name or gw.settings.served_model,
+        "created_at": "2025-01-01T00:00:00Z",
+        "context_window": gw.context_window,
+        "max_input_tokens": gw.context_window,
+        "max_tokens": gw.settings.max_output_tokens,
+        "max_output_tokens": gw.settings.max_output_tokens,
+    }

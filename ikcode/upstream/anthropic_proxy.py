@@ -64,9 +64,9 @@ class _Tap:
             self.error = json.dumps(payload.get("error"))[:500]
 
 
-def _body_for_upstream(up: Upstream, raw: bytes) -> tuple[bytes, dict[str, Any]]:
+def _body_for_upstream(up: Upstream, raw: bytes, parsed: Any = None) -> tuple[bytes, dict[str, Any]]:
     try:
-        body = json.loads(raw)
+        body = json.loads(raw) if parsed is None else parsed
     except ValueError:
         return raw, {}  # the upstream answers malformed JSON in its own words
     if not isinstance(body, dict):
@@ -78,9 +78,9 @@ def _body_for_upstream(up: Upstream, raw: bytes) -> tuple[bytes, dict[str, Any]]
 
 
 async def forward_messages(
-    up: Upstream, request: Request, raw: bytes, record: dict[str, Any], arrived: float
+    up: Upstream, request: Request, raw: bytes, record: dict[str, Any], arrived: float, parsed: Any = None
 ) -> Response:
-    content, body = _body_for_upstream(up, raw)
+    content, body = _body_for_upstream(up, raw, parsed)
     record.update(model=body.get("model"), stream=bool(body.get("stream")))
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     headers = upstream_headers(up, request.headers, anthropic=True)
@@ -122,8 +122,11 @@ async def _relay(
     try:
         async for chunk in response.aiter_raw():
             now = time.monotonic()
+            had_first = tap.first_delta_at is not None
             for event, data in scanner.feed(chunk):
                 tap.see(event, data, now)
+            if not had_first and tap.first_delta_at is not None:
+                up.first_token(record)
             yield chunk
     except Exception as err:  # the replica died mid-stream: say so in-band; the client retries
         up.router.mark_down(replica, f"stream cut: {type(err).__name__}")
@@ -145,6 +148,7 @@ def _finish(up: Upstream, record: dict[str, Any], tap: _Tap, arrived: float) -> 
         stop_reason=tap.stop_reason,
         error=tap.error,
     )
+    up.settle(record)
     up.metrics.observe(record)
     up.log.write(record)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ikcode.admission import AdmissionConfig
+from ikcode.engines.base import EngineOverloaded
 from ikcode.gateway.edge import EdgeMiddleware, authenticate, model_info, read_model
 from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.messages import check_model, new_message_id
@@ -31,7 +34,9 @@ from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.settings import GatewaySettings
 
 from . import anthropic_proxy, openai_proxy
+from .admission import UpstreamAdmission
 from .config import UpstreamConfig
+from .forward import prefix_key
 from .health import health_loop
 from .metrics import UpstreamMetrics
 from .router import NoReplica, Router
@@ -55,7 +60,33 @@ async def _read_raw(up: Upstream, request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> FastAPI:
+async def _admit(up: Upstream, request: Request, body: dict[str, Any], record: dict[str, Any]) -> None:
+    """Wait for this request's turn on the replica it will most likely go to (or shed it: 529)."""
+    if up.admission is None or not isinstance(body.get("messages"), list):
+        return
+    session = record["session_id"]
+    replica = up.router.peek(session, prefix_key(body))
+    if replica is None:
+        return  # no healthy replica: the forward answers 503
+    length = request.headers.get("content-length", "")
+    messages = body["messages"]
+    queued = time.monotonic()
+    try:
+        ticket = await up.admission.enter(
+            record["request_id"], replica.url, session, messages, int(length) if length.isdigit() else 0
+        )
+    except EngineOverloaded as error:
+        record["admission_class"] = "cold"
+        raise APIError(529, str(error), retry_after_s=error.retry_after_s) from None
+    record["admission_class"] = ticket.cls.value
+    record["admission_wait_ms"] = round((time.monotonic() - queued) * 1000, 2)
+
+
+def create_upstream_app(
+    config: UpstreamConfig, settings: GatewaySettings, admission: AdmissionConfig | None = None
+) -> FastAPI:
+    """`admission`: ikcode's admission policy in front of the replicas (None = the default
+    config; AdmissionConfig(policy="fifo") passes requests straight through)."""
     settings.validate()
     if not settings.context_window:
         raise ValueError("the upstream front needs settings.context_window (the profile's)")
@@ -68,6 +99,9 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
         RequestLog(settings.request_log_path),
         settings.context_window,
     )
+    admission = admission or AdmissionConfig()
+    if admission.policy != "fifo":
+        up.admission = UpstreamAdmission(admission, config.urls)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -121,11 +155,22 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
             try:
                 if config.kind == "anthropic":
                     raw = await _read_raw(up, request)
-                    return await anthropic_proxy.forward_messages(up, request, raw, record, arrived)
+                    try:
+                        parsed = json.loads(raw)
+                    except ValueError:
+                        parsed = None  # the upstream answers malformed JSON in its own words
+                    if isinstance(parsed, dict):
+                        await _admit(up, request, parsed, record)
+                    return await anthropic_proxy.forward_messages(up, request, raw, record, arrived, parsed)
                 body = await read_model(up, request, MessagesRequest)
                 check_model(up, body.model)
                 record.update(model=body.model, stream=bool(body.stream))
-                return await openai_proxy.forward_messages(up, request, body, record, arrived)
+                data = body.model_dump(exclude_none=True)
+                await _admit(up, request, data, record)
+                return await openai_proxy.forward_messages(up, request, body, record, arrived, data)
+            except BaseException:
+                up.settle(record)  # refused or failed before an answer: free its admission place
+                raise
             finally:
                 up.in_flight -= 1
                 up.metrics.in_flight.dec()
@@ -188,6 +233,7 @@ def create_upstream_app(config: UpstreamConfig, settings: GatewaySettings) -> Fa
                 "in_flight": up.in_flight,
                 "replicas": replicas,
                 "session_moves": dict(router.moves),
+                "admission": up.admission.stats() if up.admission else {"policy": "fifo"},
                 **up.metrics.totals(),
             }
         )

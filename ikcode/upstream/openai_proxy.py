@@ -58,9 +58,14 @@ def _error_response(response: httpx.Response, raw: bytes) -> JSONResponse:
 
 
 async def forward_messages(
-    up: Upstream, request: Request, body: MessagesRequest, record: dict[str, Any], arrived: float
+    up: Upstream,
+    request: Request,
+    body: MessagesRequest,
+    record: dict[str, Any],
+    arrived: float,
+    data: dict[str, Any] | None = None,
 ) -> Response:
-    data = body.model_dump(exclude_none=True)
+    data = body.model_dump(exclude_none=True) if data is None else data
     replica, response = await _send(up, request, data, record)
     message_id = new_message_id()
     stops = body.stop_sequences or []
@@ -114,6 +119,7 @@ async def _translate(
                 yield event
             if first_at is None and tr.first_token:
                 first_at = time.monotonic()
+                up.first_token(record)
         if error is None and not done and tr.finish_reason is None:
             error = "upstream stream ended without finishing"
         if error is None:
@@ -153,6 +159,7 @@ def _finish(
         stop_reason=stop_reason,
         error=error,
     )
+    up.settle(record)
     up.metrics.observe(record)
     up.log.write(record)
 

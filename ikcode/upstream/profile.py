@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from ikcode.admission import AdmissionConfig
 from ikcode.gateway.settings import GatewaySettings
 
 from .app import create_upstream_app
@@ -25,4 +26,6 @@ def upstream_app(profile: Any, settings: GatewaySettings) -> tuple[FastAPI, str]
     what = f"upstream {config.kind} front over {len(config.urls)} replica(s): {', '.join(config.urls)}"
     if config.token_env and not config.token:
         what += f" (warning: ${config.token_env} is not set; no upstream token sent)"
-    return create_upstream_app(config, settings), what
+    admission = AdmissionConfig.from_dict(getattr(profile, "admission", None))
+    what += f"; admission {admission.policy}"
+    return create_upstream_app(config, settings, admission), what

@@ -89,6 +89,19 @@ class Router:
             chosen.served += 1
             return chosen
 
+    def peek(self, session_id: str | None, prefix_key: str) -> Replica | None:
+        """Where `pick` would most likely send this request now, taking nothing (admission
+        queues it on that replica; a later move by the load guard is rare and tolerated)."""
+        with self._lock:
+            current = self.session_replica.get(session_id) if session_id else None
+            if current is not None and current.healthy:
+                return current
+            up = self.healthy()
+            return self._by_prefix(prefix_key, up) if up else None
+
+    def url_of(self, name: str | None) -> str | None:
+        return next((r.url for r in self.replicas if r.name == name), None)
+
     def release(self, replica: Replica) -> None:
         with self._lock:
             replica.in_flight = max(0, replica.in_flight - 1)

@@ -9,6 +9,7 @@ import httpx
 from ikcode.gateway.request_log import RequestLog
 from ikcode.gateway.settings import GatewaySettings
 
+from .admission import UpstreamAdmission
 from .config import UpstreamConfig
 from .metrics import UpstreamMetrics
 from .router import Router
@@ -24,6 +25,21 @@ class Upstream:
     context_window: int
     client: httpx.AsyncClient | None = None  # opened in the app's lifespan (one per event loop)
     in_flight: int = 0
+    admission: UpstreamAdmission | None = None  # None: requests go straight to their replica
+
+    def settle(self, record: dict) -> None:
+        """A request is over (answered, failed or cut): admission frees its place."""
+        if self.admission is not None:
+            self.admission.done(
+                record["request_id"],
+                self.router.url_of(record.get("replica")),
+                record.get("prompt_tokens") or 0,
+                record.get("cached_tokens"),
+            )
+
+    def first_token(self, record: dict) -> None:
+        if self.admission is not None:
+            self.admission.first_token(record["request_id"])
 
     def http(self) -> httpx.AsyncClient:
         if self.client is None:

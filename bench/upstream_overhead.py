@@ -8,6 +8,7 @@ the conversation from its cache), streamed, alternating direct and through the u
 `content_block_delta`. Reported: TTFT p50/p95 each way and the per-pair overhead p50/p95.
 
     .venv/bin/python bench/upstream_overhead.py [--iterations 40] [--tokens 20000] [--json out.json]
+        [--admission ikcode|fifo]   (ikcode's admission policy in front, the default, or none)
 """
 
 from __future__ import annotations
@@ -83,11 +84,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=20_000)
     parser.add_argument("--port", type=int, default=18761)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--admission", choices=("ikcode", "fifo"), default="ikcode", help="the front's admission policy"
+    )
     parser.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_upstream:
         return serve_upstream(args.serve_upstream)
 
+    from ikcode.admission import AdmissionConfig
     from ikcode.gateway import BackgroundServer, GatewaySettings
     from ikcode.upstream import UpstreamConfig, create_upstream_app
 
@@ -114,8 +119,9 @@ def main() -> None:
                 request_log_path=Path(tmp) / "front.jsonl",
             )
             config = UpstreamConfig(kind="anthropic", urls=[upstream_url], token=TOKEN)
-            front = BackgroundServer(create_upstream_app(config, settings)).start()
-            report = run(args, upstream_url, front.url)
+            admission = AdmissionConfig(policy=args.admission)
+            front = BackgroundServer(create_upstream_app(config, settings, admission)).start()
+            report = run(args, upstream_url, front.url) | {"admission": args.admission}
     finally:
         if front is not None:
             front.stop()

@@ -117,3 +117,42 @@ def test_stream_text_then_tool_call_deltas():
     )
     assert json.loads(partial) == {"file_path": "a.py"}
     assert events[-2]["delta"]["stop_reason"] == "tool_use" and events[-2]["usage"]["input_tokens"] == 10
+    assert tr.usage_source == "reported_by_upstream" and events[-2]["usage"]["output_tokens"] == 7
+
+
+def test_stream_without_usage_counts_chunks_and_llama_server_cache_report():
+    tr = StreamTranslator("msg_2", "m", [])
+    chunks = [{"choices": [{"delta": {"content": word}}]} for word in ("The", " capital", " is")]
+    out = [e for c in chunks + [{"choices": [{"delta": {}, "finish_reason": "length"}]}] for e in tr.feed(c)]
+    final = json.loads(list(tr.finish())[-2].split(b"data: ")[1])
+    assert len(out) == 4 and final["delta"]["stop_reason"] == "max_tokens"
+    assert final["usage"]["output_tokens"] == 3 and tr.usage_source == "counted_by_ikcode"
+    # llama-server's `timings.cache_n` is its cache report when prompt_tokens_details is absent.
+    completion = {
+        "choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 100, "completion_tokens": 1},
+        "timings": {"cache_n": 96, "prompt_n": 4},
+    }
+    message, usage = to_message(completion, "msg_3", "m", [])
+    assert usage.cached_tokens == 96 and message["usage"]["cache_read_input_tokens"] == 96
+    assert message["usage"]["input_tokens"] == 4
+
+
+def test_call_only_assistant_turn_has_string_content():
+    chat = to_chat_request(
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": "go"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}],
+                },
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+            ],
+        },
+        "m",
+    )
+    assistant = chat["messages"][1]
+    assert assistant["content"] == "" and assistant["tool_calls"][0]["id"] == "t1"

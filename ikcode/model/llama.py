@@ -14,8 +14,10 @@ came from the cache or was computed, when:
 - prompt rows go through matmuls of a multiple of 4 rows (padding rows added by the caller) and
   each decode row through its own one-row matmul (`ForwardBatch.row_groups`); every sampled row
   goes through the output layer alone;
-- prompt attention sees keys padded to a multiple of KEY_TILE (one fixed key tiling; padding is
-  masked) and a query count whose last query tile is not a 1-3 row remainder (`padded_query_rows`);
+- a prompt row at position p is given exactly the keys [0, visible_keys(p)) (a fixed function of p,
+  so the kernel's key tiling for that row never depends on how the prompt was chunked; keys past p
+  are masked), in an SDPA call whose last query tile is not a 1-3 row remainder
+  (`padded_query_rows`);
 - decode attention (one new token of a sequence that is generating) always takes the same shape:
   one query per head over exactly the sequence's keys, no mask, so it needs no padding at all.
 tests/test_engine_determinism.py checks the outcome token for token and K/V bit for bit.
@@ -26,10 +28,12 @@ markedly faster for one row (measured on this model: the 30 layers' matmuls ~25%
 49,152-row output layer ~1.9x); many-row prompt matmuls are as fast or faster. The rule for a
 token's numbers (multiple-of-4 rows, or one row alone) was checked to hold for this layout too.
 
-Speed. GQA runs with the query heads that share a KV head stacked as rows of one SDPA head
-([kv_heads, group * queries, head_dim]): no K/V repeat, and bigger query tiles for the kernel. The
-additive prompt mask is built once per step (`ForwardBatch`), not once per layer. A decode step
-gathers only the blocks the sequence really has.
+Speed. Prompt rows are grouped by visible_keys (a multiple of QUERY_GROUP): rows early in a chunk
+skip the keys they cannot see (for a 512-token prompt from scratch, ~40% of the attention work),
+and a tail after a long cached prefix reads only up to its own group's end. GQA runs with the query
+heads that share a KV head stacked as rows of one SDPA head ([kv_heads, group * queries,
+head_dim]): no K/V repeat. The additive prompt masks are built once per step
+(`QueryGroup.mask`), not once per layer. A decode step gathers only the blocks it really has.
 """
 
 from __future__ import annotations
@@ -42,7 +46,12 @@ from torch import nn
 
 from ikcode.model.config import ModelConfig
 
-KEY_TILE = 512  # keys per SDPA key tile on CPU; padding keys to a multiple keeps the tiling fixed
+QUERY_GROUP = 128  # prompt rows share an SDPA call (and a key count) per QUERY_GROUP positions
+
+
+def visible_keys(position: int) -> int:
+    """Keys an SDPA call gives the prompt row at `position` (those after it are masked)."""
+    return (position // QUERY_GROUP + 1) * QUERY_GROUP
 
 
 def padded_query_rows(num_queries: int, group: int = 1) -> int:
@@ -58,22 +67,25 @@ def padded_query_rows(num_queries: int, group: int = 1) -> int:
         rows += 1
 
 
-def padded_key_len(num_keys: int) -> int:
-    return -(-num_keys // KEY_TILE) * KEY_TILE
+@dataclass
+class QueryGroup:
+    """Rows of one sequence that share one SDPA call."""
+
+    row_start: int
+    num_rows: int  # real query rows
+    query_rows: int  # queries per head given to SDPA (>= num_rows)
+    num_keys: int  # keys given to SDPA (prompt: visible_keys; decode: exactly the real ones)
+    # Additive float mask [heads_per_kv_head * query_rows, num_keys] (0 = may attend, -inf = may
+    # not), rows in the stacked-GQA order; None: every query sees every key (a decode step).
+    mask: torch.Tensor | None
 
 
 @dataclass
 class SeqAttention:
-    """One sequence's share of a forward: its query rows and the keys it sees."""
+    """One sequence's share of a forward: the blocks holding its keys and its query groups."""
 
-    row_start: int
-    num_rows: int  # real query rows (new tokens of this sequence in this step)
-    query_rows: int  # queries per head given to SDPA (>= num_rows)
-    block_ids: torch.Tensor  # long: blocks holding the keys (prompt: padded with any valid block id)
-    num_keys: int  # keys given to SDPA (prompt: padded to KEY_TILE; decode: exactly the real ones)
-    # Additive float mask [group * query_rows, num_keys] (0 = may attend, -inf = may not), rows in
-    # the stacked-GQA order; None: every query sees every key (a decode step).
-    mask: torch.Tensor | None
+    block_ids: torch.Tensor  # long, padded with any valid block id up to the longest group's keys
+    groups: list[QueryGroup]
 
 
 @dataclass
@@ -151,21 +163,24 @@ class DecoderLayer(nn.Module):
         flat_k.index_copy_(0, batch.write_slots, k.index_select(0, batch.write_rows))
         flat_v.index_copy_(0, batch.write_slots, v.index_select(0, batch.write_rows))
         out = torch.empty(rows, self.q_size, dtype=x.dtype, device=x.device)
-        if rows > sum(s.num_rows for s in batch.seqs):
+        if rows > sum(g.num_rows for s in batch.seqs for g in s.groups):
             out.zero_()  # padding rows: keep them finite
         kvh, hd, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         for s in batch.seqs:
-            n, qrows = s.num_rows, s.query_rows
-            kk = k_pool[s.block_ids].view(-1, kvh, hd)[: s.num_keys].transpose(0, 1).unsqueeze(0)
-            vv = v_pool[s.block_ids].view(-1, kvh, hd)[: s.num_keys].transpose(0, 1).unsqueeze(0)
-            # [n, heads, hd] -> [kv_heads, group, queries, hd]: the heads sharing a KV head as rows.
-            qq = q[s.row_start : s.row_start + n].view(n, kvh, group, hd).permute(1, 2, 0, 3)
-            if qrows > n:
-                qq = F.pad(qq, (0, 0, 0, qrows - n))
-            qq = qq.reshape(1, kvh, group * qrows, hd)
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=s.mask)
-            o = o.view(kvh, group, qrows, hd)[:, :, :n].permute(2, 0, 1, 3)
-            out[s.row_start : s.row_start + n] = o.reshape(n, self.q_size)
+            # Gathered once per sequence; each group reads a prefix of the keys (a view).
+            kk = k_pool[s.block_ids].view(-1, kvh, hd).transpose(0, 1).unsqueeze(0)
+            vv = v_pool[s.block_ids].view(-1, kvh, hd).transpose(0, 1).unsqueeze(0)
+            for g in s.groups:
+                n, qrows, r0 = g.num_rows, g.query_rows, g.row_start
+                # [n, heads, hd] -> [kv_heads, group, queries, hd]: heads sharing a KV head as rows.
+                qq = q[r0 : r0 + n].view(n, kvh, group, hd).permute(1, 2, 0, 3)
+                if qrows > n:
+                    qq = F.pad(qq, (0, 0, 0, qrows - n))
+                qq = qq.reshape(1, kvh, group * qrows, hd)
+                keys = g.num_keys
+                o = F.scaled_dot_product_attention(qq, kk[:, :, :keys], vv[:, :, :keys], attn_mask=g.mask)
+                o = o.view(kvh, group, qrows, hd)[:, :, :n].permute(2, 0, 1, 3)
+                out[r0 : r0 + n] = o.reshape(n, self.q_size)
         return grouped_linear(out, self.o_weight_t, None, batch.row_groups)
 
     def mlp(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:

@@ -11,7 +11,14 @@ import torch
 
 from ikcode.engines.embedded.scheduler import ScheduledSeq
 from ikcode.model.config import ModelConfig
-from ikcode.model.llama import ForwardBatch, LlamaModel, SeqAttention, padded_key_len, padded_query_rows
+from ikcode.model.llama import (
+    ForwardBatch,
+    LlamaModel,
+    QueryGroup,
+    SeqAttention,
+    padded_query_rows,
+    visible_keys,
+)
 
 
 class ModelRunner:
@@ -106,17 +113,9 @@ class ModelRunner:
             if seq.is_decoding:
                 # One query over exactly its keys: no padding, no mask (see llama.py).
                 blocks = table[: -(-keys // bs)]
-                seqs.append(SeqAttention(row0, 1, 1, self._ids(blocks), keys, None))
+                seqs.append(SeqAttention(self._ids(blocks), [QueryGroup(row0, 1, 1, keys, None)]))
             else:
-                kpad = padded_key_len(keys)
-                blocks = table[: -(-keys // bs)]
-                blocks = blocks + [blocks[0]] * (kpad // bs - len(blocks))  # masked padding keys
-                qrows = padded_query_rows(n, group) if self.batch_invariant else n
-                seqs.append(
-                    SeqAttention(
-                        row0, n, qrows, self._ids(blocks), kpad, self._mask(start, n, qrows, kpad, group)
-                    )
-                )
+                seqs.append(self._prompt_attention(table, row0, start, n, group))
             if keys == len(seq.token_ids):
                 sample_row[id(seq)] = row0 + n - 1
 
@@ -138,6 +137,22 @@ class ModelRunner:
             self._ids(ids), self._ids(pos), self._ids(write_rows), self._ids(write_slots), seqs, groups
         )
         return batch, [sample_row.get(id(s.seq), -1) for s in scheduled]
+
+    def _prompt_attention(self, table: list[int], row0: int, start: int, n: int, group: int) -> SeqAttention:
+        """Rows start..start+n of a prompt, grouped by the keys they are given (llama.visible_keys)."""
+        groups: list[QueryGroup] = []
+        p = start
+        while p < start + n:
+            num_keys = visible_keys(p)
+            rows = min(start + n, num_keys) - p
+            qrows = padded_query_rows(rows, group) if self.batch_invariant else rows
+            mask = self._mask(p, rows, qrows, num_keys, group)
+            groups.append(QueryGroup(row0 + p - start, rows, qrows, num_keys, mask))
+            p += rows
+        bs = self.block_size
+        blocks = table[: -(-(start + n) // bs)]
+        blocks = blocks + [blocks[0]] * (-(-num_keys // bs) - len(blocks))  # masked padding keys
+        return SeqAttention(self._ids(blocks), groups)
 
     def _ids(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

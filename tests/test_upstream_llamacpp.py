@@ -11,6 +11,7 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import anthropic
@@ -180,3 +181,19 @@ def test_errors_in_anthropic_shape(sdk):
         sdk.messages.create(model="smollm2", max_tokens=8, messages=too_long)
     assert info.value.body["type"] == "error"
     assert json.dumps(info.value.body["error"]["type"]) == '"invalid_request_error"'
+
+
+def test_a_stream_the_server_cuts_short_is_a_retryable_error(sdk):
+    """llama-cpp-python (interrupt_requests, its default) ends a running stream with [DONE] and no
+    finish reason when another request arrives: the client must see a retryable error, never a
+    clean end_turn with a truncated answer."""
+    prompt = [{"role": "user", "content": "Write a long story about a dragon."}]
+    other: list[threading.Thread] = []
+    with pytest.raises(anthropic.APIStatusError) as info:
+        for event in sdk.messages.create(model="smollm2", max_tokens=400, messages=prompt, stream=True):
+            if event.type == "content_block_delta" and not other:
+                second = dict(model="smollm2", max_tokens=1, messages=prompt)
+                other.append(threading.Thread(target=sdk.messages.create, kwargs=second))
+                other[0].start()
+    other[0].join(60)
+    assert info.value.body["error"]["type"] == "overloaded_error"

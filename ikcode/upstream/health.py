@@ -1,10 +1,11 @@
 """Health checks: a replica that does not answer is taken out; one that answers again comes back.
 
 Any HTTP answer counts as alive (a 401 or 404 still proves the server is there); only a failed
-connection or a timeout takes a replica out. A replica that accepted the connection but is slow
-to answer while it serves requests is busy, not dead: single-slot servers (llama-cpp-python's)
-answer /models only between generations. Requests take a replica out too, on a failed
-connection, without waiting for the next check.
+connection or a timeout takes a replica out. Requests take a replica out too, on a failed
+connection, without waiting for the next check. A replica with requests in flight is not probed:
+its answers prove it alive (a failed one takes it out), and a probe can hurt it: single-slot
+servers answer /models only between generations, and llama-cpp-python ends a running stream when
+any other request arrives. A probe that connects but times out while requests run counts as busy.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ async def check_once(up: Upstream) -> None:
         up.router.mark_down(replica, f"health check: {type(err).__name__}")
 
     async def probe(replica) -> None:
+        if replica.healthy and replica.in_flight > 0:
+            return
         try:
             await up.http().get(health_url(up, replica.url), timeout=min(5.0, up.config.health_interval_s))
         except (httpx.ReadTimeout, httpx.PoolTimeout) as err:

@@ -98,6 +98,7 @@ async def _translate(
 ) -> AsyncIterator[bytes]:
     first_at: float | None = None
     error: str | None = None
+    error_type = "api_error"
     done = False
     try:
         yield tr.start()
@@ -120,13 +121,17 @@ async def _translate(
             if first_at is None and tr.first_token:
                 first_at = time.monotonic()
                 up.first_token(record)
-        if error is None and not done and tr.finish_reason is None:
-            error = "upstream stream ended without finishing"
+        if error is None and tr.finish_reason is None:
+            # [DONE] (or the end) without a finish reason: the server cut the answer short
+            # (llama-cpp-python does so when another request arrives): retryable, not end_turn.
+            error = "upstream stream ended without a finish reason" + (" ([DONE] sent)" if done else "")
+            error_type = "overloaded_error"
         if error is None:
             for event in tr.finish():
                 yield event
         else:
-            yield sse_event(error_body("api_error", f"upstream: {error}"))
+            suffix = "; retry" if error_type == "overloaded_error" else ""
+            yield sse_event(error_body(error_type, f"upstream: {error}{suffix}"))
     except httpx.HTTPError as err:  # the replica died mid-stream: say so in-band; the client retries
         up.router.mark_down(replica, f"stream cut: {type(err).__name__}")
         error = f"upstream stream cut: {type(err).__name__}"

@@ -33,7 +33,8 @@ skip the keys they cannot see (for a 512-token prompt from scratch, ~40% of the 
 and a tail after a long cached prefix reads only up to its own group's end. GQA runs with the query
 heads that share a KV head stacked as rows of one SDPA head ([kv_heads, group * queries,
 head_dim]): no K/V repeat. The additive prompt masks are built once per step
-(`QueryGroup.mask`), not once per layer. A decode step gathers only the blocks it really has.
+(`QueryGroup.mask`), not once per layer. A decode step reads only the blocks it really has, and a
+sequence whose blocks are consecutive in the pool is read in place instead of gathered.
 """
 
 from __future__ import annotations
@@ -86,6 +87,21 @@ class SeqAttention:
 
     block_ids: torch.Tensor  # long, padded with any valid block id up to the longest group's keys
     groups: list[QueryGroup]
+    # block_ids[0] when the blocks are consecutive (block_ids[0], block_ids[0] + 1, ...): the keys
+    # are then read in place (a view of the pool, same layout as a gathered copy), not copied.
+    first_block: int | None = None
+
+    def keys_and_values(
+        self, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[1, kv_heads, keys, head_dim] views of this sequence's keys and values."""
+        if self.first_block is not None:
+            end = self.first_block + self.block_ids.shape[0]
+            k, v = k_pool[self.first_block : end], v_pool[self.first_block : end]
+        else:
+            k, v = k_pool[self.block_ids], v_pool[self.block_ids]
+        shape = (-1, k_pool.shape[2], k_pool.shape[3])
+        return k.view(shape).transpose(0, 1).unsqueeze(0), v.view(shape).transpose(0, 1).unsqueeze(0)
 
 
 @dataclass
@@ -167,9 +183,8 @@ class DecoderLayer(nn.Module):
             out.zero_()  # padding rows: keep them finite
         kvh, hd, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         for s in batch.seqs:
-            # Gathered once per sequence; each group reads a prefix of the keys (a view).
-            kk = k_pool[s.block_ids].view(-1, kvh, hd).transpose(0, 1).unsqueeze(0)
-            vv = v_pool[s.block_ids].view(-1, kvh, hd).transpose(0, 1).unsqueeze(0)
+            # Read (or gathered) once per sequence; each group takes a prefix of the keys (a view).
+            kk, vv = s.keys_and_values(k_pool, v_pool)
             for g in s.groups:
                 n, qrows, r0 = g.num_rows, g.query_rows, g.row_start
                 # [n, heads, hd] -> [kv_heads, group, queries, hd]: heads sharing a KV head as rows.

@@ -113,7 +113,7 @@ class ModelRunner:
             if seq.is_decoding:
                 # One query over exactly its keys: no padding, no mask (see llama.py).
                 blocks = table[: -(-keys // bs)]
-                seqs.append(SeqAttention(self._ids(blocks), [QueryGroup(row0, 1, 1, keys, None)]))
+                seqs.append(self._seq_attention(blocks, [QueryGroup(row0, 1, 1, keys, None)]))
             else:
                 seqs.append(self._prompt_attention(table, row0, start, n, group))
             if keys == len(seq.token_ids):
@@ -151,8 +151,22 @@ class ModelRunner:
             p += rows
         bs = self.block_size
         blocks = table[: -(-(start + n) // bs)]
-        blocks = blocks + [blocks[0]] * (-(-num_keys // bs) - len(blocks))  # masked padding keys
-        return SeqAttention(self._ids(blocks), groups)
+        # Padding blocks only hold masked keys: any block will do (pool values are always finite:
+        # zeros or K/V the model wrote); the next ones keep a run of consecutive blocks whole.
+        num_padding = -(-num_keys // bs) - len(blocks)
+        after = blocks[-1] + 1
+        if after + num_padding <= self.k_pool.shape[1]:
+            blocks = blocks + list(range(after, after + num_padding))
+        else:
+            blocks = blocks + [blocks[0]] * num_padding
+        return self._seq_attention(blocks, groups)
+
+    def _seq_attention(self, blocks: list[int], groups: list[QueryGroup]) -> SeqAttention:
+        first = blocks[0]
+        consecutive = blocks[-1] - first == len(blocks) - 1 and blocks == list(
+            range(first, first + len(blocks))
+        )
+        return SeqAttention(self._ids(blocks), groups, first if consecutive else None)
 
     def _ids(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)

@@ -12,7 +12,6 @@ previous turn. Reported next to tokenizing the whole conversation from scratch, 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import statistics
@@ -23,6 +22,7 @@ from ikcode.gateway.block_hashes import IncrementalBlockHasher
 from ikcode.gateway.claude_code_shape import long_conversation, tool_round
 from ikcode.gateway.render import Renderer
 from ikcode.gateway.schemas import MessagesRequest
+from ikcode.gateway.server import tune_garbage_collector
 from ikcode.model.loader import load_model
 
 BLOCK_SIZE = 16
@@ -81,10 +81,9 @@ def main() -> None:
     cache.allocate("previous", previous_hashes, len(previous_hashes))
     cache.release("previous", previous_hashes)
 
-    # As run_server does at start: long-lived objects leave the collector's generations, so a
-    # full collection does not walk them on every few requests.
-    gc.collect()
-    gc.freeze()
+    # As run_server does at start: long-lived objects leave the collector's generations and young
+    # collections are rarer, so a full collection does not walk them every few requests.
+    tune_garbage_collector()
     rng = random.Random(7)
     phases: dict[str, list[float]] = {"parse": [], "render": [], "hash": [], "lookup": [], "total": []}
     tail_tokens, prompt_tokens, hit_tokens = [], [], []

@@ -4,6 +4,7 @@ replica's sessions move on with at most one retry seen by the client."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter, defaultdict
 
 import httpx
@@ -16,7 +17,13 @@ pytestmark = pytest.mark.slow
 
 
 def _turns(
-    front_url: str, session: str, turns: int, outcomes: list, start_barrier=None, max_attempts: int = 2
+    front_url: str,
+    session: str,
+    turns: int,
+    outcomes: list,
+    start_barrier=None,
+    max_attempts: int = 2,
+    pause_s: float = 0.0,
 ):
     """One agent: a growing conversation, streamed; a failed attempt is retried once, like a client."""
     messages = [{"role": "user", "content": f"session {session}: read the repository layout " * 6}]
@@ -25,6 +32,8 @@ def _turns(
         for turn in range(turns):
             if start_barrier is not None and turn == 2:
                 start_barrier.wait(30)
+            if turn >= 2 and pause_s:
+                time.sleep(pause_s)  # a tool runs between steps: the kill lands mid-conversation
             body = {
                 "model": "tiny",
                 "max_tokens": 4,
@@ -105,7 +114,8 @@ def test_killed_replica_loses_no_session_for_more_than_one_retry(tmp_path):
         sessions = [f"kill-{i}" for i in range(6)]
         barrier = threading.Barrier(len(sessions) + 1)
         threads = [
-            threading.Thread(target=_turns, args=(front.url, s, 5, outcomes, barrier)) for s in sessions
+            threading.Thread(target=_turns, args=(front.url, s, 5, outcomes, barrier, 2, 0.6))
+            for s in sessions
         ]
         for t in threads:
             t.start()

@@ -21,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ikcode.engines.base import Engine
 from ikcode.gateway import messages
 from ikcode.gateway.chat_format import TokenizerLike
-from ikcode.gateway.edge import EdgeMiddleware, authenticate, error_response, model_info, read_model
+from ikcode.gateway.edge import EdgeMiddleware, add_model_routes, authenticate, error_response, read_model
 from ikcode.gateway.errors import APIError, error_body, invalid_request
 from ikcode.gateway.metrics import GatewayMetrics
 from ikcode.gateway.render import Renderer
@@ -67,9 +67,7 @@ def create_app(
         if error.status_code == 404:
             return error_response(APIError(404, f"not found: {request.method} {request.url.path}"))
         if error.status_code == 405:
-            return error_response(
-                APIError(405, f"method {request.method} not allowed on {request.url.path}")
-            )
+            return error_response(APIError(405, f"method {request.method} not allowed on {request.url.path}"))
         return error_response(APIError(error.status_code, str(error.detail)))
 
     @app.exception_handler(RequestValidationError)
@@ -109,29 +107,7 @@ def create_app(
 
         return await guarded(request, handler)
 
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        async def handler() -> Response:
-            authenticate(gw, request)
-            info = model_info(gw, settings.served_model)
-            return JSONResponse(
-                {"data": [info], "has_more": False, "first_id": info["id"], "last_id": info["id"]}
-            )
-
-        return await guarded(request, handler)
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(request: Request, model_id: str) -> Response:
-        async def handler() -> Response:
-            authenticate(gw, request)
-            messages.check_model(gw, model_id)
-            return JSONResponse(model_info(gw, model_id))
-
-        return await guarded(request, handler)
-
-    @app.api_route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
-        return JSONResponse({"status": "ok"})
+    add_model_routes(app, gw, guarded)
 
     @app.get("/health")
     async def health() -> Response:

@@ -8,10 +8,11 @@ and `context_window`: the gateway's `Gateway` and the upstream's `Upstream` both
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from fastapi import Request
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -138,3 +139,39 @@ def model_info(gw: EdgeState, model_id: str) -> dict[str, Any]:
         "max_tokens": gw.settings.max_output_tokens,
         "max_output_tokens": gw.settings.max_output_tokens,
     }
+
+
+def check_model(gw: EdgeState, model: str) -> None:
+    if not gw.settings.accepts(model):
+        raise APIError(404, f"model: {model} (this server serves {gw.settings.served_model})")
+
+
+Guard = Callable[[Request, Callable[[], Awaitable[Response]]], Awaitable[Response]]
+
+
+def add_model_routes(app: FastAPI, gw: EdgeState, guarded: Guard) -> None:
+    """GET /v1/models, /v1/models/{id} and the root (Claude Code sends HEAD / at start)."""
+
+    @app.get("/v1/models")
+    async def list_models(request: Request) -> Response:
+        async def handler() -> Response:
+            authenticate(gw, request)
+            info = model_info(gw, gw.settings.served_model)
+            return JSONResponse(
+                {"data": [info], "has_more": False, "first_id": info["id"], "last_id": info["id"]}
+            )
+
+        return await guarded(request, handler)
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(request: Request, model_id: str) -> Response:
+        async def handler() -> Response:
+            authenticate(gw, request)
+            check_model(gw, model_id)
+            return JSONResponse(model_info(gw, model_id))
+
+        return await guarded(request, handler)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root() -> Response:
+        return JSONResponse({"status": "ok"})

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ikcode.engines.base import CacheLookup, EngineError, EngineRequest, PromptTooLong, SamplingParams
+from ikcode.gateway.edge import check_model
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
 from ikcode.gateway.render import RenderedPrompt
@@ -24,11 +25,6 @@ STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 def new_message_id() -> str:
     return "msg_" + secrets.token_hex(12)
-
-
-def check_model(gw: Gateway, model: str) -> None:
-    if not gw.settings.accepts(model):
-        raise APIError(404, f"model: {model} (this server serves {gw.settings.served_model})")
 
 
 def sampling_params(gw: Gateway, body: MessagesRequest) -> SamplingParams:

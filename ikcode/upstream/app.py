@@ -26,9 +26,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ikcode.admission import AdmissionConfig
 from ikcode.engines.base import EngineOverloaded
-from ikcode.gateway.edge import EdgeMiddleware, authenticate, model_info, read_model
+from ikcode.gateway.edge import EdgeMiddleware, add_model_routes, authenticate, check_model, read_model
 from ikcode.gateway.errors import APIError, error_body
-from ikcode.gateway.messages import check_model, new_message_id
+from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.request_log import RequestLog
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.settings import GatewaySettings
@@ -195,29 +195,7 @@ def create_upstream_app(
 
         return await guarded(request, handler)
 
-    @app.get("/v1/models")
-    async def list_models(request: Request) -> Response:
-        async def handler() -> Response:
-            authenticate(up, request)
-            info = model_info(up, settings.served_model)
-            return JSONResponse(
-                {"data": [info], "has_more": False, "first_id": info["id"], "last_id": info["id"]}
-            )
-
-        return await guarded(request, handler)
-
-    @app.get("/v1/models/{model_id:path}")
-    async def get_model(request: Request, model_id: str) -> Response:
-        async def handler() -> Response:
-            authenticate(up, request)
-            check_model(up, model_id)
-            return JSONResponse(model_info(up, model_id))
-
-        return await guarded(request, handler)
-
-    @app.api_route("/", methods=["GET", "HEAD"])
-    async def root() -> Response:
-        return JSONResponse({"status": "ok"})
+    add_model_routes(app, up, guarded)
 
     @app.get("/health")
     async def health() -> Response:

@@ -39,9 +39,21 @@ pip() {
 
 # torch first and exactly: a plain `torch` requirement would pull a multi-GB CUDA build onto a
 # CPU-only machine. With this torch present, ikcode's own range (torch>=2.4) installs nothing more.
+# Without an NVIDIA GPU: a CPU build found locally (pip's find-links) wins; otherwise PyTorch's
+# CPU index (IKCODE_TORCH_INDEX overrides it).
 if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
   echo "==> installing $torch_spec"
-  pip install -q "$torch_spec"
+  local_wheel="$(mktemp -d)"
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip install -q "$torch_spec"
+  elif "$venv/bin/python" -m pip download -q --no-deps --no-index -d "$local_wheel" "$torch_spec" >/dev/null 2>&1; then
+    pip install -q "$torch_spec"  # a local CPU wheel: pip prefers its +cpu version
+  else
+    pip install -q "$torch_spec" --index-url "${IKCODE_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}" \
+      --extra-index-url https://pypi.org/simple
+  fi
+  rm -rf "$local_wheel"
+  "$venv/bin/python" -c "import torch; print('    torch', torch.__version__)"
 fi
 
 echo "==> installing ikcode$extras"

@@ -53,7 +53,7 @@ if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
       --extra-index-url https://pypi.org/simple
   fi
   rm -rf "$local_wheel"
-  "$venv/bin/python" -c "import torch; print('    torch', torch.__version__)"
+  "$venv/bin/python" -W ignore -c "import torch; print('    torch', torch.__version__)"
 fi
 
 echo "==> installing ikcode$extras"

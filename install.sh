@@ -17,7 +17,7 @@ extras=""
 assume_yes=0
 for arg in "$@"; do
   case "$arg" in
-    --dev) extras="[dev]" ;;
+    --dev) extras="[dev,bench]" ;;
     --yes|-y) assume_yes=1 ;;
     -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "install.sh: unknown option $arg" >&2; exit 2 ;;

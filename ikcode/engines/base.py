@@ -256,15 +256,17 @@ class RequestStream:
         if event.finished:
             self.final = event
             self._closed.set()
+        # Under the lock: an async reader attaching between our look at _loop and a put into
+        # _q would drain _q first and then never see this event.
         with self._lock:
             loop, aq = self._loop, self._aq
-        if loop is not None and aq is not None:
-            try:
-                loop.call_soon_threadsafe(aq.put_nowait, event)
-            except RuntimeError:  # the reader's loop is gone; nobody is listening
-                pass
-        else:
-            self._q.put(event)
+            if loop is None or aq is None:
+                self._q.put(event)
+                return
+        try:
+            loop.call_soon_threadsafe(aq.put_nowait, event)
+        except RuntimeError:  # the reader's loop is gone; nobody is listening
+            pass
 
     @property
     def closed(self) -> bool:

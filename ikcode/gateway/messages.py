@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from ikcode.engines.base import CacheLookup, EngineError, EngineRequest, PromptTooLong, SamplingParams
@@ -18,6 +18,7 @@ from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
 from ikcode.gateway.render import RenderedPrompt
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
+from ikcode.gateway.sse import ClosingStreamingResponse
 from ikcode.gateway.state import Gateway
 
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -145,7 +146,12 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         gw, request_id, body.model, stream, rendered, lookup, body.stop_sequences or [], record, arrived
     )
     if body.stream:
-        return StreamingResponse(generation.sse(), media_type="text/event-stream", headers=STREAM_HEADERS)
+        return ClosingStreamingResponse(
+            generation.sse(),
+            on_close=generation.close,
+            media_type="text/event-stream",
+            headers=STREAM_HEADERS,
+        )
     return await generation.collect(request)
 
 

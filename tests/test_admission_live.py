@@ -103,3 +103,52 @@ def test_only_new_cold_work_is_shed(engine):
     assert controller.stats()["queue_wait"]["cold"]["shed"] >= 1
     assert_pool_clean(engine)
     controller.shutdown(5)
+
+
+class _GatedSubmit:
+    """The real engine, with submit() held at a gate: the moment between admission and engine."""
+
+    def __init__(self, engine, fail_with: Exception | None = None):
+        self.engine = engine
+        self.fail_with = fail_with
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def submit(self, request):
+        self.entered.set()
+        assert self.gate.wait(10)
+        if self.fail_with is not None:
+            raise self.fail_with
+        return self.engine.submit(request)
+
+
+def test_abort_between_admission_and_engine_submit_still_aborts(engine):
+    gated = _GatedSubmit(engine)
+    controller = AdmissionController(gated, AdmissionConfig(policy="fifo"))
+    controller.start()
+    stream = controller.submit(_request("r", _prompt(7, 40), "s", max_tokens=10_000))
+    assert gated.entered.wait(10)
+    stream.abort()  # dequeued already, not yet known to the engine
+    gated.gate.set()
+    _, final = stream.collect(30)
+    assert final.finish_reason == "abort"
+    assert controller.stats()["inflight_prefills"] == 0
+    assert_pool_clean(engine)
+    controller.shutdown(5)
+
+
+def test_dispatcher_survives_an_unexpected_submit_error(engine):
+    gated = _GatedSubmit(engine, fail_with=RuntimeError("boom"))
+    gated.gate.set()
+    controller = AdmissionController(gated, AdmissionConfig(policy="ikcode", max_cold_prefills=1))
+    controller.start()
+    _, final = controller.submit(_request("bad", _prompt(8, 400), "s")).collect(10)
+    assert final.finish_reason == "error" and "boom" in str(final.error)
+    assert controller.stats()["inflight_prefills"] == 0  # its cold slot came back
+    gated.fail_with = None
+    _, final = controller.submit(_request("good", _prompt(9, 400), "s2")).collect(30)
+    assert final.error is None
+    controller.shutdown(5)

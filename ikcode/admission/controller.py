@@ -46,6 +46,10 @@ class AdmissionController:
         self.clock = clock
         self._cv = threading.Condition()
         self._streams: dict[str, RequestStream] = {}  # queued requests: the caller's stream
+        # Admitted but not yet in the engine: an abort then has no queue entry to remove and the
+        # engine does not know the id yet, so it is noted here and sent once the submit is done.
+        self._starting: set[str] = set()
+        self._abort_on_start: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stopping = False
         engine.add_listener(self._on_lifecycle)
@@ -85,6 +89,8 @@ class AdmissionController:
         lookup = self.engine.lookup(request.prompt_token_ids, request.cache_salt)
         stream = RequestStream(request.request_id, on_abort=self.abort)
         with self._cv:
+            if self._stopping:  # shutdown already failed the queue: nobody would end this stream
+                raise EngineShutdown()
             now = self.clock()
             ticket = self.policy.make_ticket(request.request_id, lookup, now, request.session_id, request)
             self.policy.offer(ticket, now)  # may raise EngineOverloaded: nothing was queued
@@ -95,8 +101,11 @@ class AdmissionController:
     def abort(self, request_id: str) -> None:
         with self._cv:
             ticket = self.policy.remove(request_id)
+            stream = self._streams.pop(request_id, None) if ticket is not None else None
+            if ticket is None and request_id in self._starting:
+                self._abort_on_start.add(request_id)
+                return
         if ticket is not None:
-            stream = self._streams.pop(request_id, None)
             if stream is not None:
                 stream.put(TokenEvent(request_id, [], finished=True, finish_reason=FinishReason.ABORT))
             return
@@ -155,21 +164,34 @@ class AdmissionController:
                     self._cv.wait(timeout=0.05)
                     continue
                 streams = [self._streams.pop(t.request_id, None) for t in admitted]
+                self._starting.update(t.request_id for t in admitted)
             for ticket, stream in zip(admitted, streams, strict=True):
-                if stream is not None:
-                    self._start(ticket, stream)
+                self._start(ticket, stream)
 
-    def _start(self, ticket: Ticket, outer: RequestStream) -> None:
-        request: EngineRequest = ticket.payload
+    def _start(self, ticket: Ticket, outer: RequestStream | None) -> None:
+        request_id = ticket.request_id
         try:
-            inner = self.engine.submit(request)
-        except EngineError as err:
+            if outer is None:
+                raise EngineShutdown()  # nobody holds its stream: do not run it
+            inner = self.engine.submit(ticket.payload)
+        except Exception as exc:  # the dispatcher thread must survive whatever submit raises
             with self._cv:
-                self.policy.on_done(request.request_id)
-            self._put_error(outer, err)
+                self._starting.discard(request_id)
+                self._abort_on_start.discard(request_id)
+                self.policy.on_done(request_id)  # or its cold slot would stay taken
+                self._cv.notify_all()
+            if outer is not None:
+                err = exc if isinstance(exc, EngineError) else EngineError(f"internal engine error: {exc!r}")
+                self._put_error(outer, err)
             return
         # The caller's abort now goes to the engine.
         outer._on_abort = self.engine.abort  # noqa: SLF001 - the stream is ours to rewire
+        with self._cv:
+            self._starting.discard(request_id)
+            aborted = request_id in self._abort_on_start
+            self._abort_on_start.discard(request_id)
+        if aborted:
+            self.engine.abort(request_id)
         threading.Thread(target=self._forward, args=(inner, outer), daemon=True).start()
 
     def _forward(self, inner: RequestStream, outer: RequestStream) -> None:

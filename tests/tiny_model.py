@@ -94,4 +94,6 @@ def assert_pool_clean(engine: EmbeddedEngine) -> None:
     wait_idle(engine)
     engine.cache.check_invariants()
     assert engine.cache.num_free_blocks() == engine.num_blocks
-    assert engine.load().kv_blocks_used == 0
+    load = engine.load()
+    assert load.kv_blocks_used == 0
+    assert load.kv_blocks_cached == len(engine.cache.pool.index)  # every cached block unreferenced

@@ -133,3 +133,14 @@ def test_shutdown_drains_then_refuses():
         engine.submit(EngineRequest("late", [5], OK))
     engine.cache.check_invariants()
     assert engine.cache.num_free_blocks() == engine.num_blocks
+
+
+def test_a_submit_that_lands_after_the_last_inbox_read_is_still_ended_at_shutdown():
+    # A submit can pass its shutdown check, then reach the inbox after the engine thread last
+    # read it; the final abort pass must still end that stream, or its reader waits forever.
+    engine = tiny_engine(kv_memory_bytes=1 << 20, autostart=False)
+    stream = engine.submit(EngineRequest("late", [5] * 30, OK))
+    engine._abort_everything()  # what the engine thread runs last, with "late" still in the inbox
+    _, final = stream.collect(5)
+    assert final.finish_reason is FinishReason.ABORT and isinstance(final.error, EngineShutdown)
+    assert engine.idle()

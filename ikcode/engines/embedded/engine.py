@@ -170,6 +170,8 @@ class EmbeddedEngine:
         limit = min(self.context_window, len(prompt) + request.sampling.max_tokens)
         seq = Sequence(request, stream, max_total_tokens=limit)
         with self._lock:
+            if self._stopping:  # checked again where the inbox is: shutdown may have begun
+                raise EngineShutdown()
             if request.request_id in self._live:
                 raise EngineError(f"request id {request.request_id!r} is already in use")
             self._live[request.request_id] = seq
@@ -363,6 +365,10 @@ class EmbeddedEngine:
             self._finish(seq, FinishReason.ABORT, [])
 
     def _abort_everything(self) -> None:
+        with self._lock:  # anything submitted after this iteration took the inbox
+            late, self._inbox = list(self._inbox), deque()
+        for seq in late:
+            self.scheduler.add(seq)
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(seq, FinishReason.ABORT, [], EngineShutdown())
         for seq in list(self._pending_release):

@@ -116,3 +116,17 @@ def test_stop_tokens_and_eos():
     assert tokens == free[: free.index(stop_at) + 1] and final.finish_reason is FinishReason.STOP
     assert final.stats.output_tokens == len(tokens)
     engine.shutdown()
+
+
+@pytest.mark.parametrize("salt", ["", "user-a"])
+def test_sequence_block_hashes_grow_incrementally_and_match_a_full_hash(salt: str):
+    from ikcode.cache import hash_blocks
+    from ikcode.engines.base import RequestStream
+    from ikcode.engines.embedded.sequence import Sequence
+
+    prompt = _prompt(11, 37)
+    seq = Sequence(EngineRequest("h", prompt, cache_salt=salt), RequestStream("h"), max_total_tokens=100)
+    assert seq.block_hashes(len(prompt), 8) == hash_blocks(prompt, 8, salt)
+    seq.token_ids.extend(_prompt(12, 20))  # decoded tokens
+    assert seq.block_hashes(len(seq.token_ids), 8) == hash_blocks(seq.token_ids, 8, salt)
+    assert seq.block_hashes(17, 8) == hash_blocks(seq.token_ids[:16], 8, salt)

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ikcode.cache import OutOfBlocks, PrefixCache, hash_blocks
+from ikcode.cache import OutOfBlocks, PrefixCache
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
 
 
@@ -28,8 +28,7 @@ class ScheduledSeq:
 
 def committable_hashes(seq: Sequence, block_size: int) -> list:
     """Keys of the full blocks whose K/V is valid: what may be committed when seq lets go."""
-    full = seq.num_computed_tokens // block_size
-    return hash_blocks(seq.token_ids[: full * block_size], block_size, seq.request.cache_salt)
+    return seq.block_hashes(seq.num_computed_tokens, block_size)
 
 
 class Scheduler:
@@ -93,7 +92,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> bool:
         tokens = seq.token_ids
-        hashes = hash_blocks(tokens, self.block_size, seq.request.cache_salt)
+        hashes = seq.block_hashes(len(tokens), self.block_size)
         try:
             alloc = self.cache.allocate(
                 seq.seq_id,

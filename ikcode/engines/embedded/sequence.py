@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ikcode.cache import BlockHash, hash_blocks
 from ikcode.engines.base import EngineRequest, FinishReason, RequestStats, RequestStream
 
 
@@ -33,6 +34,9 @@ class Sequence:
     release_at_step: int = 0
     drop_commit: bool = False  # the entry was finalised early (commit_point="final_token")
     num_preemptions: int = 0
+    # Chained keys of the full blocks hashed so far. token_ids only ever grow, so a key once
+    # computed stays right: admission retries (back-pressure), preemption and release reuse them.
+    _block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.request.prompt_token_ids)
@@ -62,6 +66,19 @@ class Sequence:
     def num_pending_tokens(self) -> int:
         """Tokens still to run through the model before the next sample."""
         return len(self.token_ids) - self.num_computed_tokens
+
+    def block_hashes(self, num_tokens: int, block_size: int) -> list[BlockHash]:
+        """Keys of the full blocks among the first num_tokens tokens (hashed once each)."""
+        full = num_tokens // block_size
+        known = self._block_hashes
+        if len(known) < full:
+            start = len(known) * block_size
+            chunk = self.token_ids[start : full * block_size]
+            if known:  # the salt went into block 0's key; the chain carries it on
+                known.extend(hash_blocks(chunk, block_size, parent=known[-1]))
+            else:
+                known.extend(hash_blocks(chunk, block_size, self.request.cache_salt))
+        return known[:full]
 
     @property
     def is_decoding(self) -> bool:

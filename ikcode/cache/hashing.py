@@ -29,8 +29,9 @@ def hash_blocks(
     """Chained keys of the FULL blocks of token_ids; a partial last block gets no key.
 
     `parent` continues an existing chain (incremental hashing of a growing conversation): pass
-    the key of the block just before token_ids[0], with the same salt arguments and with
-    shared_prefix_tokens counted from the start of token_ids.
+    the key of the block just before token_ids[0]. The salt is mixed into one block only, so
+    pass it (with shared_prefix_tokens counted from the start of token_ids) only while that
+    block is still ahead; once the chain holds it, continue with salt="" (the keys inherit it).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be >= 1, got {block_size}")

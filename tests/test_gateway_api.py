@@ -3,7 +3,6 @@ real uvicorn server on 127.0.0.1."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -14,7 +13,12 @@ import pytest
 
 from ikcode.engines.base import EngineOverloaded, FinishReason, RequestStream, TokenEvent
 from ikcode.gateway import BackgroundServer, GatewaySettings, create_app
-from tests.test_gateway_support import ScriptedEngine, tiny_tokenizer, wait_idle
+from tests.test_gateway_support import (
+    ScriptedEngine,
+    hang_up_before_the_first_chunk,
+    tiny_tokenizer,
+    wait_idle,
+)
 from tests.tiny_model import tiny_engine
 
 TOKENS = {"alice": "tok-alice", "bob": "tok-bob"}
@@ -414,27 +418,11 @@ def test_engine_error_mid_stream_ends_the_stream(engine, tokenizer, tmp_path):
 
 
 def test_hang_up_before_the_first_event_frees_the_engine(engine, tokenizer, tmp_path):
-    # The client is gone before the stream's first chunk: Starlette cancels the response before
-    # the body generator starts, so only the response itself can end the engine request.
+    # Only the response itself can end the engine request: its body generator never started.
     scripted = ScriptedEngine(engine, tokenizer.encode("ok") * 50, delay_s=0.3)
     app = create_app(scripted, tokenizer, settings(tmp_path))
-    body = json.dumps({"model": "tiny", "max_tokens": 100, "messages": HELLO, "stream": True}).encode()
-    incoming = [{"type": "http.request", "body": body, "more_body": False}]
-
-    async def receive() -> dict:
-        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
-
-    async def send(message: dict) -> None:
-        await asyncio.sleep(0.05)  # a slow socket: the hang-up is seen before the first chunk
-
-    headers = [(b"content-type", b"application/json"), (b"x-api-key", TOKENS["alice"].encode())]
-    scope = {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": "POST", "scheme": "http", "path": "/v1/messages", "raw_path": b"/v1/messages",
-        "query_string": b"", "root_path": "", "headers": headers,
-        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
-    }  # fmt: skip
-    asyncio.run(app(scope, receive, send))
+    body = {"model": "tiny", "max_tokens": 100, "messages": HELLO, "stream": True}
+    hang_up_before_the_first_chunk(app, body, TOKENS["alice"])
     gw = app.state.gateway
     assert gw.in_flight == 0
     last = json.loads(gw.settings.request_log_path.read_text().splitlines()[-1])

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import threading
 import time
+from typing import Any
 
 from ikcode.engines.base import (
     CacheLookup,
@@ -93,3 +96,25 @@ def wait_idle(engine: EmbeddedEngine, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
     with engine._lock:
         engine.cache.check_invariants()
+
+
+def hang_up_before_the_first_chunk(app: Any, body: dict, api_key: str, path: str = "/v1/messages") -> None:
+    """POST `body` to the ASGI `app` from a client that is gone before the stream's first chunk:
+    Starlette cancels the response before its body generator starts."""
+    raw = json.dumps(body).encode()
+    incoming = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive() -> dict:
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        await asyncio.sleep(0.05)  # a slow socket: the hang-up is seen before the first chunk
+
+    headers = [(b"content-type", b"application/json"), (b"x-api-key", api_key.encode())]
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+        "query_string": b"", "root_path": "", "headers": headers,
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80),
+    }  # fmt: skip
+    asyncio.run(app(scope, receive, send))

@@ -9,10 +9,12 @@ import anthropic
 import httpx
 import pytest
 
+from tests.test_gateway_support import hang_up_before_the_first_chunk
 from tests.test_upstream_support import (
     FRONT_TOKEN,
     UPSTREAM_TOKEN,
     EmbeddedReplica,
+    front_app,
     front_records,
     front_server,
 )
@@ -128,3 +130,18 @@ def test_no_healthy_replica_is_a_retryable_503(tmp_path):
         assert json.loads(front_records(tmp_path)[-1]["error"])["error"]["type"] == "overloaded_error"
     finally:
         srv.stop()
+
+
+def test_hang_up_before_the_first_chunk_releases_the_replica(replica, tmp_path):
+    # The relay generator never starts: the response must still close the upstream stream,
+    # free the replica's slot and its admission place, and log the request.
+    app = front_app(tmp_path, "anthropic", [replica.url])
+    body = {"model": "tiny", "max_tokens": 64, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    hang_up_before_the_first_chunk(app, body, FRONT_TOKEN)
+    up = app.state.upstream
+    assert [r["in_flight"] for r in up.router.snapshot()] == [0]
+    assert up.in_flight == 0
+    record = front_records(tmp_path)[-1]
+    assert record["error"] == "client disconnected" and record["replica"]
+    assert up.admission is not None
+    assert [s["inflight_prefills"] for s in up.admission.stats().values()] == [0]

@@ -54,6 +54,10 @@ class EmbeddedReplica:
 
 
 def front_server(tmp_path: Path, kind: str, urls: list[str], token: str | None = UPSTREAM_TOKEN, **config):
+    return BackgroundServer(front_app(tmp_path, kind, urls, token, **config)).start()
+
+
+def front_app(tmp_path: Path, kind: str, urls: list[str], token: str | None = UPSTREAM_TOKEN, **config):
     settings = GatewaySettings(
         served_model=config.pop("served_model", "tiny"),
         context_window=config.pop("context_window", 2048),
@@ -63,7 +67,7 @@ def front_server(tmp_path: Path, kind: str, urls: list[str], token: str | None =
         ping_interval_s=0.2,
     )
     upstream = UpstreamConfig(kind=kind, urls=urls, token=token, **config)
-    return BackgroundServer(create_upstream_app(upstream, settings)).start()
+    return create_upstream_app(upstream, settings)
 
 
 def front_records(tmp_path: Path) -> list[dict]:

@@ -14,14 +14,21 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from ikcode.gateway.errors import error_body
-from ikcode.gateway.sse import sse_event
+from ikcode.gateway.sse import ClosingStreamingResponse, sse_event
 
-from .forward import SSEScanner, aclose_quietly, open_stream, prefix_key, response_headers, upstream_headers
+from .forward import (
+    SSEScanner,
+    StreamEnd,
+    aclose_quietly,
+    open_stream,
+    prefix_key,
+    response_headers,
+    upstream_headers,
+)
 from .metrics import finish_record
-from .router import Replica
 from .state import Upstream
 
 STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -107,17 +114,23 @@ async def forward_messages(
             tap.error = data[:500].decode("utf-8", "replace")
         _finish(up, record, tap, arrived)
         return Response(data, status_code=response.status_code, headers=response_headers(response))
-    return StreamingResponse(
-        _relay(up, replica, response, tap, record, arrived),
+    end = StreamEnd(up, replica, response)
+
+    def hung_up() -> None:
+        tap.error = tap.error or "client disconnected"
+        _finish(up, record, tap, arrived)
+
+    return ClosingStreamingResponse(
+        _relay(tap, record, arrived, end),
+        on_close=lambda: end(hung_up),
         status_code=200,
         media_type="text/event-stream",
         headers={**response_headers(response), **STREAM_HEADERS},
     )
 
 
-async def _relay(
-    up: Upstream, replica: Replica, response, tap: _Tap, record: dict, arrived: float
-) -> AsyncIterator[bytes]:
+async def _relay(tap: _Tap, record: dict, arrived: float, end: StreamEnd) -> AsyncIterator[bytes]:
+    up, replica, response = end.up, end.replica, end.response
     scanner = SSEScanner()
     try:
         async for chunk in response.aiter_raw():
@@ -133,9 +146,7 @@ async def _relay(
         tap.error = f"upstream stream cut: {type(err).__name__}"
         yield sse_event(error_body("overloaded_error", "upstream replica failed mid-stream; retry"))
     finally:
-        await aclose_quietly(response)
-        up.router.release(replica)
-        _finish(up, record, tap, arrived)
+        await end(lambda: _finish(up, record, tap, arrived))
 
 
 def _finish(up: Upstream, record: dict[str, Any], tap: _Tap, arrived: float) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import anyio
 import httpx
 
 from .router import NoReplica, Replica
@@ -124,6 +125,28 @@ async def aclose_quietly(response: httpx.Response) -> None:
         await response.aclose()
     except Exception:  # closing a broken connection must not hide the real outcome
         pass
+
+
+class StreamEnd:
+    """The end of one relayed stream, run once: by the relay's `finally`, or by the response when
+    the client left before the relay started (a generator that never started runs no `finally`)."""
+
+    def __init__(self, up: Upstream, replica: Replica, response: httpx.Response):
+        self.up = up
+        self.replica = replica
+        self.response = response
+        self.done = False
+
+    async def __call__(self, finish: Callable[[], None]) -> None:
+        if self.done:
+            return
+        self.done = True
+        # Book-keeping first: under cancellation (a client that hung up) the await below would
+        # raise again and skip anything after it.
+        self.up.router.release(self.replica)
+        finish()
+        with anyio.CancelScope(shield=True):
+            await aclose_quietly(self.response)
 
 
 async def iterate(response: httpx.Response) -> AsyncIterator[bytes]:

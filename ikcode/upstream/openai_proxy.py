@@ -9,14 +9,14 @@ from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from ikcode.gateway.errors import error_body
 from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
-from ikcode.gateway.sse import PING, sse_event
+from ikcode.gateway.sse import PING, ClosingStreamingResponse, sse_event
 
-from .forward import aclose_quietly, open_stream, prefix_key, response_headers, upstream_headers
+from .forward import StreamEnd, aclose_quietly, open_stream, prefix_key, response_headers, upstream_headers
 from .metrics import finish_record
 from .openai_request import to_chat_request
 from .openai_response import UpstreamUsage, to_anthropic_error, to_message
@@ -81,21 +81,24 @@ async def forward_messages(
         _finish(up, record, usage, time.monotonic(), message["stop_reason"], arrived, None)
         return JSONResponse(message)
     translator = StreamTranslator(message_id, body.model, stops)
-    return StreamingResponse(
-        _translate(up, replica, response, translator, record, arrived),
+    end = StreamEnd(up, replica, response)
+
+    def hung_up() -> None:
+        record["usage_source"] = translator.usage_source
+        _finish(up, record, translator.usage, None, None, arrived, "client disconnected")
+
+    return ClosingStreamingResponse(
+        _translate(up, translator, record, arrived, end),
+        on_close=lambda: end(hung_up),
         media_type="text/event-stream",
         headers=STREAM_HEADERS,
     )
 
 
 async def _translate(
-    up: Upstream,
-    replica: Replica,
-    response: httpx.Response,
-    tr: StreamTranslator,
-    record: dict,
-    arrived: float,
+    up: Upstream, tr: StreamTranslator, record: dict, arrived: float, end: StreamEnd
 ) -> AsyncIterator[bytes]:
+    replica, response = end.replica, end.response
     first_at: float | None = None
     error: str | None = None
     error_type = "api_error"
@@ -140,11 +143,12 @@ async def _translate(
         error = "upstream sent a chunk that is not JSON"
         yield sse_event(error_body("api_error", error))
     finally:
-        await aclose_quietly(response)
-        up.router.release(replica)
-        reason = None if error else tr.stop_reason_now()
-        record["usage_source"] = tr.usage_source
-        _finish(up, record, tr.usage, first_at, reason, arrived, error)
+
+        def finish() -> None:
+            record["usage_source"] = tr.usage_source
+            _finish(up, record, tr.usage, first_at, None if error else tr.stop_reason_now(), arrived, error)
+
+        await end(finish)
 
 
 def _finish(

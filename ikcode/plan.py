@@ -26,6 +26,8 @@ class PlanLoad:
 
 
 def plan(hw: HardwareModel, context_tokens: int, agents: int, load: PlanLoad | None = None) -> dict[str, Any]:
+    if context_tokens < 1 or agents < 0:
+        raise ValueError(f"need context_tokens >= 1 and agents >= 0, got {context_tokens} and {agents}")
     load = load or PlanLoad()
     per_conv = context_tokens + load.output_tokens
     on_gpu = hw.device_tier_tokens // per_conv

@@ -33,3 +33,12 @@ def test_plan_cli_json():
     data = json.loads(result.output)
     assert data["verdict"] == "size the GPU tier for sessions active at once"
     assert data["agents"] == 200
+
+
+def test_plan_refuses_an_empty_conversation_instead_of_dividing_by_zero():
+    import pytest
+
+    hw = HardwareModel()
+    with pytest.raises(ValueError, match="context_tokens"):
+        plan(hw, 0, 10)
+    assert hw.cold_read_tokens_per_s(0) == 0.0

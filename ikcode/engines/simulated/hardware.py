@@ -63,7 +63,8 @@ class HardwareModel:
 
     def cold_read_tokens_per_s(self, context_tokens: int) -> float:
         """Read rate with no cache: a conversation of this size read from zero, alone."""
-        return context_tokens / self.prefill_seconds(0, context_tokens)
+        seconds = self.prefill_seconds(0, context_tokens)
+        return context_tokens / seconds if seconds > 0 else 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, name: str | None = None) -> HardwareModel:

@@ -114,6 +114,19 @@ class EngineRequest:
     hold_tail_s: float | None = None
 
 
+def check_request(request: EngineRequest, max_prompt_tokens: int, vocab_size: int) -> None:
+    """The synchronous checks every engine's submit() makes: typed errors with the numbers."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise EmptyPrompt()
+    if len(prompt) > max_prompt_tokens:
+        raise PromptTooLong(len(prompt), max_prompt_tokens)
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        pos = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab_size)
+        raise TokenOutOfVocab(prompt[pos], vocab_size, pos)
+    request.sampling.validate()
+
+
 # ---------------------------------------------------------------------------------------------
 # What comes back
 # ---------------------------------------------------------------------------------------------

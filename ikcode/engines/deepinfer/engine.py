@@ -18,7 +18,6 @@ from typing import Any
 from ikcode.cache import hash_blocks
 from ikcode.engines.base import (
     CacheLookup,
-    EmptyPrompt,
     EngineError,
     EngineInfo,
     EngineLoad,
@@ -27,9 +26,8 @@ from ikcode.engines.base import (
     LifecycleEvent,
     LifecycleKind,
     LifecycleListener,
-    PromptTooLong,
     RequestStream,
-    TokenOutOfVocab,
+    check_request,
 )
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
 from ikcode.engines.deepinfer.rank import RankWorker
@@ -101,15 +99,7 @@ class DeepInferEngine:
         if self._stopping:
             raise EngineShutdown()
         prompt = request.prompt_token_ids
-        if not prompt:
-            raise EmptyPrompt()
-        if len(prompt) > self.config.max_model_len - 1:
-            raise PromptTooLong(len(prompt), self.config.max_model_len - 1)
-        vocab = self._info.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            pos = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
-            raise TokenOutOfVocab(prompt[pos], vocab, pos)
-        request.sampling.validate()
+        check_request(request, self.config.max_model_len - 1, self._info.vocab_size)
         hashes = hash_blocks(prompt, KVSTORE_GRAIN, request.cache_salt)
         keep = self.config.yoco_keep_tokens
 

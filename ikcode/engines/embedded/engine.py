@@ -23,7 +23,6 @@ import torch
 from ikcode.cache import PrefixCache, blocks_for_budget, hash_blocks, kv_bytes_per_block
 from ikcode.engines.base import (
     CacheLookup,
-    EmptyPrompt,
     EngineError,
     EngineInfo,
     EngineLoad,
@@ -33,10 +32,9 @@ from ikcode.engines.base import (
     LifecycleEvent,
     LifecycleKind,
     LifecycleListener,
-    PromptTooLong,
     RequestStream,
     TokenEvent,
-    TokenOutOfVocab,
+    check_request,
 )
 from ikcode.engines.embedded.config import EmbeddedEngineConfig
 from ikcode.engines.embedded.model_runner import ModelRunner
@@ -156,16 +154,8 @@ class EmbeddedEngine:
         if self._stopping:
             raise EngineShutdown()
         prompt = request.prompt_token_ids
-        if not prompt:
-            raise EmptyPrompt()
-        max_prompt = self.context_window - 1  # room for at least one output token
-        if len(prompt) > max_prompt:
-            raise PromptTooLong(len(prompt), max_prompt)
-        vocab = self.model_config.vocab_size
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            pos = next(i for i, t in enumerate(prompt) if not 0 <= t < vocab)
-            raise TokenOutOfVocab(prompt[pos], vocab, pos)
-        request.sampling.validate()
+        # context_window - 1: room for at least one output token.
+        check_request(request, self.context_window - 1, self.model_config.vocab_size)
         stream = RequestStream(request.request_id, on_abort=self.abort)
         limit = min(self.context_window, len(prompt) + request.sampling.max_tokens)
         seq = Sequence(request, stream, max_total_tokens=limit)

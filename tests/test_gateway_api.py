@@ -1,6 +1,8 @@
-"""The gateway over the real embedded engine (tiny random model), through the official SDK, on a
-real uvicorn server on 127.0.0.1."""
+"""The gateway's API contract over the real embedded engine (tiny random model), through the
+official SDK, on a real uvicorn server on 127.0.0.1: answers, streams, tools, the cache, the
+request log, and a client that leaves. Errors and security: test_gateway_errors.py."""
 
+# ruff: noqa: F811 (the pytest fixtures imported from test_gateway_api_support are test arguments)
 from __future__ import annotations
 
 import json
@@ -11,77 +13,22 @@ import anthropic
 import httpx
 import pytest
 
-from ikcode.engines.base import EngineOverloaded, FinishReason, RequestStream, TokenEvent
-from ikcode.gateway import BackgroundServer, GatewaySettings, create_app
-from tests.test_gateway_support import (
-    ScriptedEngine,
-    hang_up_before_the_first_chunk,
-    tiny_tokenizer,
-    wait_idle,
+from ikcode.gateway import create_app
+from tests.test_gateway_api_support import (  # noqa: F401 (engine, server, ...: fixtures)
+    HELLO,
+    READ_TOOL,
+    TOKENS,
+    TOOL_CALL,
+    assert_error,
+    client,
+    engine,
+    post,
+    serve,
+    server,
+    settings,
+    tokenizer,
 )
-from tests.tiny_model import tiny_engine
-
-TOKENS = {"alice": "tok-alice", "bob": "tok-bob"}
-HELLO = [{"role": "user", "content": "hello there"}]
-TOOL_CALL = '<tool_call>\n{"name": "Read", "arguments": {"file_path": "/repo/a.py"}}\n</tool_call>'
-READ_TOOL = {"name": "Read", "description": "Read a file", "input_schema": {"type": "object"}}
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    engine = tiny_engine(kv_memory_bytes=4 * 1024 * 1024)  # 512 blocks: a 2048-token window
-    engine.start()
-    yield engine
-    engine.shutdown(drain_timeout_s=1)
-
-
-def settings(tmp_path, **overrides) -> GatewaySettings:
-    values = dict(
-        served_model="tiny",
-        model_aliases=("claude-opus-4-8",),
-        max_output_tokens=256,
-        auth_tokens=dict(TOKENS),
-        request_log_path=tmp_path / "requests.jsonl",
-        ping_interval_s=0.1,
-        default_temperature=0.0,
-    )
-    values.update(overrides)
-    return GatewaySettings(**values)
-
-
-@pytest.fixture(scope="module")
-def server(engine, tokenizer, tmp_path_factory):
-    app = create_app(engine, tokenizer, settings(tmp_path_factory.mktemp("gw")))
-    srv = BackgroundServer(app).start()
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key=TOKENS["alice"], max_retries=0)
-
-
-def serve(engine, tokenizer, tmp_path, **overrides) -> BackgroundServer:
-    return BackgroundServer(create_app(engine, tokenizer, settings(tmp_path, **overrides))).start()
-
-
-def assert_error(response: httpx.Response, status: int, error_type: str) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert body["type"] == "error" and body["error"]["type"] == error_type
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    return body
-
-
-def post(server, body, key: str | None = TOKENS["alice"], path: str = "/v1/messages", **kw) -> httpx.Response:
-    headers = {"x-api-key": key} if key else {}
-    return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kw)
+from tests.test_gateway_support import ScriptedEngine, hang_up_before_the_first_chunk, wait_idle
 
 
 # ---- happy paths -------------------------------------------------------------------------------
@@ -262,159 +209,6 @@ def test_disconnect_mid_stream_frees_the_engine(server, engine):
     assert gw.in_flight == 0
     last = json.loads(gw.settings.request_log_path.read_text().splitlines()[-1])
     assert last["error"] == "client disconnected" and last["stream"] is True
-
-
-# ---- errors --------------------------------------------------------------------------------------
-def test_authentication_errors(server):
-    body = {"model": "tiny", "max_tokens": 2, "messages": HELLO}
-    assert_error(post(server, body, key=None), 401, "authentication_error")
-    assert_error(post(server, body, key="tok-mallory"), 401, "authentication_error")
-    assert post(server, body, key=TOKENS["bob"]).status_code == 200
-    with pytest.raises(anthropic.AuthenticationError):
-        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
-            model="tiny", max_tokens=2, messages=HELLO
-        )
-
-
-def test_refuses_non_loopback_without_tokens(engine, tokenizer):
-    with pytest.raises(ValueError, match="non-loopback"):
-        create_app(engine, tokenizer, GatewaySettings(served_model="tiny", bind_loopback=False))
-
-
-@pytest.mark.parametrize(
-    ("body", "fragment"),
-    [
-        ({"model": "tiny", "messages": HELLO}, "max_tokens"),
-        ({"model": "tiny", "max_tokens": 100000, "messages": HELLO}, "maximum allowed number of output"),
-        ({"model": "tiny", "max_tokens": 0, "messages": HELLO}, "max_tokens"),
-        ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "robot", "content": "x"}]}, "role"),
-        ({"model": "tiny", "max_tokens": 5, "messages": []}, "at least one message"),
-        ({"model": "tiny", "max_tokens": 5, "messages": HELLO, "temperature": 3}, "temperature"),
-        ({"model": "tiny", "max_tokens": 5, "messages": HELLO,
-          "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "structured output"),
-        ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": {"type": "base64", "data": "AA"}}]}]}, "image"),
-    ],
-)  # fmt: skip
-def test_invalid_requests(server, body, fragment):
-    error = assert_error(post(server, body), 400, "invalid_request_error")
-    assert fragment in error["error"]["message"]
-
-
-def test_invalid_json_and_unknown_routes(server):
-    headers = {"x-api-key": "tok-alice", "content-type": "application/json"}
-    assert_error(
-        httpx.post(server.url + "/v1/messages", content=b"{nope", headers=headers),
-        400,
-        "invalid_request_error",
-    )
-    assert_error(
-        httpx.post(server.url + "/v1/messages", content=b"[1]", headers=headers), 400, "invalid_request_error"
-    )
-    assert_error(httpx.get(server.url + "/v1/nothing-here", headers=headers), 404, "not_found_error")
-    assert_error(httpx.get(server.url + "/v1/messages", headers=headers), 405, "invalid_request_error")
-
-
-def test_unknown_model_is_404_naming_it(client):
-    with pytest.raises(anthropic.NotFoundError) as caught:
-        client.messages.create(model="claude-unknown-9", max_tokens=2, messages=HELLO)
-    assert "claude-unknown-9" in caught.value.body["error"]["message"]
-
-
-def test_prompt_too_long_wording(server, client):
-    long_text = "x " * 3000
-    with pytest.raises(anthropic.BadRequestError) as caught:
-        client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": long_text}])
-    message = caught.value.body["error"]["message"]
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 2047 maximum", message)
-
-
-def test_request_too_large(engine, tokenizer, tmp_path):
-    srv = serve(engine, tokenizer, tmp_path, max_body_bytes=2000)
-    try:
-        big = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "y" * 5000}]}
-        assert_error(post(srv, big), 413, "request_too_large")
-
-        def chunks():  # no Content-Length: the size is checked as the body streams in
-            yield b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "'
-            for _ in range(10):
-                yield b"z" * 500
-            yield b'"}]}'
-
-        headers = {"x-api-key": "tok-alice", "content-type": "application/json"}
-        assert_error(
-            httpx.post(srv.url + "/v1/messages", content=chunks(), headers=headers), 413, "request_too_large"
-        )
-    finally:
-        srv.stop()
-
-
-def test_rate_limited_and_overloaded(engine, tokenizer, tmp_path):
-    script = tokenizer.encode("slow answer") + [2]
-    srv = serve(ScriptedEngine(engine, script, delay_s=1.0), tokenizer, tmp_path, max_concurrent_requests=1)
-    try:
-        body = {"model": "tiny", "max_tokens": 10, "messages": HELLO, "stream": True}
-        with httpx.Client(timeout=30) as http:
-            with http.stream("POST", srv.url + "/v1/messages", json=body, headers={"x-api-key": "tok-alice"}):
-                second = post(srv, body)
-                assert_error(second, 429, "rate_limit_error")
-                assert 1 <= int(second.headers["retry-after"]) <= 60
-    finally:
-        srv.stop()
-
-    class Overloaded(ScriptedEngine):
-        def submit(self, request):
-            raise EngineOverloaded("no KV memory for this prompt now", retry_after_s=7)
-
-    srv = serve(Overloaded(engine, []), tokenizer, tmp_path)
-    try:
-        response = post(srv, {"model": "tiny", "max_tokens": 10, "messages": HELLO})
-        assert_error(response, 529, "overloaded_error")
-        assert response.headers["retry-after"] == "7"
-    finally:
-        srv.stop()
-    wait_idle(engine)
-
-
-def test_internal_errors_never_leak(engine, tokenizer, tmp_path):
-    class Broken(ScriptedEngine):
-        def submit(self, request):
-            raise RuntimeError("secret internals /home/user/token")
-
-    srv = serve(Broken(engine, []), tokenizer, tmp_path)
-    try:
-        response = post(srv, {"model": "tiny", "max_tokens": 10, "messages": HELLO})
-        body = assert_error(response, 500, "api_error")
-        assert "secret" not in response.text and "Traceback" not in response.text and body
-    finally:
-        srv.stop()
-
-
-def test_engine_error_mid_stream_ends_the_stream(engine, tokenizer, tmp_path):
-    class FailsAfterOneToken(ScriptedEngine):
-        def submit(self, request):
-            stream = RequestStream(request.request_id)
-            stream.put(TokenEvent(request.request_id, tokenizer.encode("a")))
-            from ikcode.engines.base import EngineError
-
-            stream.put(
-                TokenEvent(request.request_id, [], True, FinishReason.ERROR, error=EngineError("boom"))
-            )
-            return stream
-
-    srv = serve(FailsAfterOneToken(engine, []), tokenizer, tmp_path)
-    try:
-        raw = post(srv, {"model": "tiny", "max_tokens": 10, "messages": HELLO, "stream": True}).text
-        assert raw.startswith("event: message_start")
-        last = raw.strip().split("\n\n")[-1]
-        assert last.startswith("event: error")
-        assert json.loads(last.split("data: ", 1)[1])["error"]["type"] == "api_error"
-        client = anthropic.Anthropic(base_url=srv.url, api_key="tok-alice", max_retries=0)
-        with pytest.raises(anthropic.APIStatusError):
-            with client.messages.stream(model="tiny", max_tokens=10, messages=HELLO) as stream:
-                list(stream)
-    finally:
-        srv.stop()
 
 
 def test_hang_up_before_the_first_event_frees_the_engine(engine, tokenizer, tmp_path):

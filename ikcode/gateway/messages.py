@@ -18,10 +18,8 @@ from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
 from ikcode.gateway.render import RenderedPrompt
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
-from ikcode.gateway.sse import ClosingStreamingResponse
+from ikcode.gateway.sse import STREAM_HEADERS, ClosingStreamingResponse
 from ikcode.gateway.state import Gateway
-
-STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def new_message_id() -> str:

@@ -11,6 +11,8 @@ import anyio
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+# Response headers of every event stream: no caching, no proxy buffering (nginx).
+STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 PING = b'event: ping\ndata: {"type": "ping"}\n\n'
 
 

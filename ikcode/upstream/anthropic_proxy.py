@@ -17,7 +17,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ikcode.gateway.errors import error_body
-from ikcode.gateway.sse import ClosingStreamingResponse, sse_event
+from ikcode.gateway.sse import STREAM_HEADERS, ClosingStreamingResponse, sse_event
 
 from .forward import (
     SSEScanner,
@@ -30,8 +30,6 @@ from .forward import (
 )
 from .metrics import finish_record
 from .state import Upstream
-
-STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def _usage_numbers(usage: dict[str, Any]) -> tuple[int, int | None, int]:

@@ -26,7 +26,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ikcode.admission import AdmissionConfig
 from ikcode.engines.base import EngineOverloaded
-from ikcode.gateway.edge import EdgeMiddleware, add_model_routes, authenticate, check_model, read_model
+from ikcode.gateway.edge import (
+    EdgeMiddleware,
+    add_model_routes,
+    authenticate,
+    check_model,
+    error_response,
+    read_model,
+)
 from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.request_log import RequestLog
@@ -44,10 +51,6 @@ from .state import Upstream
 
 logger = logging.getLogger("ikcode.upstream")
 RETRY_AFTER_NO_REPLICA_S = 2
-
-
-def _error(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
 async def _read_raw(up: Upstream, request: Request) -> bytes:
@@ -124,16 +127,17 @@ def create_upstream_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         if error.status_code == 404:
-            return _error(APIError(404, f"not found: {request.method} {request.url.path}"))
-        return _error(APIError(error.status_code, str(error.detail)))
+            return error_response(APIError(404, f"not found: {request.method} {request.url.path}"))
+        return error_response(APIError(error.status_code, str(error.detail)))
 
     async def guarded(request: Request, handler: Any) -> Response:
         try:
             return await handler()
         except APIError as error:
-            return _error(error)
+            return error_response(error)
         except NoReplica as error:
-            return _error(APIError(503, f"{error}; retry shortly", retry_after_s=RETRY_AFTER_NO_REPLICA_S))
+            retry = RETRY_AFTER_NO_REPLICA_S
+            return error_response(APIError(503, f"{error}; retry shortly", retry_after_s=retry))
         except Exception:
             logger.exception("unexpected error on %s", request.url.path)
             return JSONResponse(error_body("api_error", "internal server error"), status_code=500)

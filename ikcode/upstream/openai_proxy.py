@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from ikcode.gateway.errors import error_body
 from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
-from ikcode.gateway.sse import PING, ClosingStreamingResponse, sse_event
+from ikcode.gateway.sse import PING, STREAM_HEADERS, ClosingStreamingResponse, sse_event
 
 from .forward import StreamEnd, aclose_quietly, open_stream, prefix_key, response_headers, upstream_headers
 from .metrics import finish_record
@@ -26,7 +26,6 @@ from .router import Replica
 from .state import Upstream
 
 CHAT_PATH = "/chat/completions"
-STREAM_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 async def _send(up: Upstream, request: Request, data: dict[str, Any], record: dict[str, Any] | None):

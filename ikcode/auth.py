@@ -1,7 +1,7 @@
 """The bearer token shared by the launcher and the server.
 
 Generated once, stored in the state dir with mode 0600, never printed in logs. A team server can
-hold several named tokens (one per user, revocable) in `tokens.toml` beside it.
+hold several named tokens (one per user, revocable) in `tokens.json` beside it.
 """
 
 from __future__ import annotations

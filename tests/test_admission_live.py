@@ -152,3 +152,16 @@ def test_dispatcher_survives_an_unexpected_submit_error(engine):
     _, final = controller.submit(_request("good", _prompt(9, 400), "s2")).collect(30)
     assert final.error is None
     controller.shutdown(5)
+
+
+def test_memory_gate_counts_tickets_admitted_earlier_in_the_same_round(engine):
+    # Two cold prompts that each need most of the free pool: one admission round may not hand
+    # both to the engine, or the second sits in the engine's queue where no warm turn can pass it.
+    config = AdmissionConfig(policy="ikcode", max_cold_prefills=4, shed=False)
+    controller = AdmissionController(engine, config)
+    n = engine.num_blocks * engine.info.block_size * 6 // 10
+    controller.submit(_request("a", _prompt(21, n), "sa"))
+    controller.submit(_request("b", _prompt(22, n), "sb"))
+    admitted = controller.policy.admit(0.0, controller._memory_gate())
+    assert [t.request_id for t in admitted] == ["a"]
+    controller.shutdown(5)

@@ -145,20 +145,33 @@ class AdmissionController:
         return t.cls.value if t else None
 
     # ---- internals ---------------------------------------------------------------------------
-    def _fits(self, ticket: Ticket) -> bool:
-        load = self.engine.load()
-        if load.kv_blocks_total <= 0:
-            return True  # the engine does not say: let it queue
-        block = max(1, self.engine.info.block_size)
-        free = load.kv_blocks_total - load.kv_blocks_used
-        return -(-ticket.uncached_tokens // block) <= free or load.running == 0
+    def _memory_gate(self) -> Callable[[Ticket], bool]:
+        """fits() for one admission round: the engine's memory is read once, and the blocks of the
+        tickets approved earlier in the round count against it (they have not allocated yet)."""
+        load: EngineLoad | None = None
+        promised = 0
+
+        def fits(ticket: Ticket) -> bool:
+            nonlocal load, promised
+            if load is None:
+                load = self.engine.load()
+            if load.kv_blocks_total <= 0:
+                return True  # the engine does not say: let it queue
+            need = -(-ticket.uncached_tokens // max(1, self.engine.info.block_size))
+            free = load.kv_blocks_total - load.kv_blocks_used - promised
+            if need <= free or (load.running == 0 and promised == 0):
+                promised += need
+                return True
+            return False
+
+        return fits
 
     def _dispatch_loop(self) -> None:
         while True:
             with self._cv:
                 if self._stopping:
                     return
-                admitted = self.policy.admit(self.clock(), self._fits)
+                admitted = self.policy.admit(self.clock(), self._memory_gate())
                 if not admitted:
                     # Re-check now and then: aging and memory change without a notification.
                     self._cv.wait(timeout=0.05)

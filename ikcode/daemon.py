@@ -127,7 +127,8 @@ def check_can_start(host: str, port: int) -> None:
 
 def health(url: str, timeout_s: float = 2.0) -> dict | None:
     try:
-        response = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+        # trust_env=False: an HTTP_PROXY in the environment must not route a local check away.
+        response = httpx.get(f"{url.rstrip('/')}/health", timeout=timeout_s, trust_env=False)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:

@@ -75,3 +75,25 @@ def test_stale_pid_file_is_cleaned_up():
     result = ikcode("status")
     assert result.returncode == 3 and "not running" in result.stdout
     assert not daemon.state_file().exists()
+
+
+def test_health_check_ignores_proxy_variables(monkeypatch):
+    from fastapi import FastAPI
+
+    from ikcode.gateway.server import BackgroundServer
+
+    app = FastAPI()
+
+    @app.get("/health")
+    def health() -> dict:
+        return {"status": "ok"}
+
+    server = BackgroundServer(app).start()
+    try:
+        for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+            monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens there
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        assert daemon.health(server.url) == {"status": "ok"}
+    finally:
+        server.stop()

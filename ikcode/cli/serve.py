@@ -94,8 +94,10 @@ def _summary(url: str, token: str) -> dict:
     headers = {"Authorization": f"Bearer {token}", "anthropic-version": "2023-06-01"}
     out: dict = {}
     try:
-        out["health"] = httpx.get(f"{url}/health", timeout=3).json()
-        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=3).json().get("data") or []
+        # The local server, never through an HTTP_PROXY from the environment (it would get the token).
+        out["health"] = httpx.get(f"{url}/health", timeout=3, trust_env=False).json()
+        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=3, trust_env=False).json()
+        models = models.get("data") or []
         out["model"] = models[0] if models else None
     except (httpx.HTTPError, ValueError) as err:
         out["error"] = str(err)

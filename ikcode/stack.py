@@ -85,6 +85,10 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
             f"profile {profile.name!r} uses engine {profile.engine!r}, which `ikcode up` cannot start "
             "in this version; use the `local` profile (embedded engine)"
         )
+    try:  # before loading anything: a bad knob must not leave an engine running
+        admission = AdmissionConfig.from_dict(profile.admission)
+    except (TypeError, ValueError) as err:
+        raise daemon.DaemonError(f"profile {profile.source}: {err}") from None
     try:
         if profile.engine == "deepinfer":
             engine, tokenizer, description = _deepinfer_engine(profile, model_path)
@@ -92,10 +96,6 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
             engine, tokenizer, description = _embedded_engine(profile, model_path)
     except ModelLoadError as err:
         raise daemon.DaemonError(str(err)) from None
-    try:
-        admission = AdmissionConfig.from_dict(profile.admission)
-    except (TypeError, ValueError) as err:
-        raise daemon.DaemonError(f"profile {profile.source}: {err}") from None
     controller = AdmissionController(engine, admission)
     controller.start()
     window = min(profile.context_window, engine.info.context_window)

@@ -38,9 +38,9 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, as_json: b
         if not profile.hardware:
             raise click.ClickException(f"profile {profile.name!r} has no [hardware] table to plan with")
         hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
+        result = plan(hw, context_tokens, agents)
     except (ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
-    result = plan(hw, context_tokens, agents)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

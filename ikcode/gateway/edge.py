@@ -7,7 +7,6 @@ and `context_window`: the gateway's `Gateway` and the upstream's `Upstream` both
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -16,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ikcode.auth import tokens_equal
 from ikcode.gateway.errors import APIError, invalid_request
 from ikcode.gateway.settings import GatewaySettings
 
@@ -121,7 +121,7 @@ def authenticate(gw: EdgeState, request: Request) -> str | None:
     match = None
     for name, token in tokens.items():  # compare against every token: no early exit
         for candidate in presented:
-            if hmac.compare_digest(candidate.encode(), token.encode()):
+            if tokens_equal(candidate, token):
                 match = name
     if match is None:
         raise APIError(401, "invalid authentication token")

@@ -121,6 +121,8 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
             raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
         salt = (user or "") if gw.settings.cache_salt_per_user else ""
         rendered, lookup = await run_in_threadpool(_render_and_lookup, gw, body, salt, session_id, record)
+        if limit is not None and gw.in_flight >= limit:  # others may have started while we rendered
+            raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
         prompt_tokens = len(rendered.token_ids)
         if prompt_tokens >= gw.context_window:
             raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))

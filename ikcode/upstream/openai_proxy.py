@@ -115,6 +115,8 @@ async def _translate(
                 done = True
                 break
             chunk = json.loads(payload)
+            if not isinstance(chunk, dict):
+                raise json.JSONDecodeError("not a JSON object", payload, 0)
             if chunk.get("error"):
                 error = json.dumps(chunk["error"])[:500]
                 break
@@ -139,7 +141,7 @@ async def _translate(
         error = f"upstream stream cut: {type(err).__name__}"
         yield sse_event(error_body("overloaded_error", "upstream replica failed mid-stream; retry"))
     except json.JSONDecodeError:
-        error = "upstream sent a chunk that is not JSON"
+        error = "upstream sent a chunk that is not a JSON object"
         yield sse_event(error_body("api_error", error))
     finally:
 

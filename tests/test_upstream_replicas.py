@@ -77,6 +77,16 @@ def test_router_guard_moves_only_overloaded_sessions():
         router.pick("s2", "k2")
 
 
+def test_new_sessions_spread_when_their_prefixes_hash_to_one_replica():
+    router = Router(["http://a", "http://b"], max_in_flight=8)
+    placed = [router.pick(f"s{i}", "one shared prefix key") for i in range(6)]
+    for replica in placed:
+        router.release(replica)
+    counts = Counter(r.url for r in placed)
+    assert set(counts) == {"http://a", "http://b"} and max(counts.values()) - min(counts.values()) <= 3
+    assert all(router.pick(f"s{i}", "one shared prefix key") is placed[i] for i in range(6))  # sticky
+
+
 def test_sessions_stay_on_their_replica(tmp_path):
     replicas = [EmbeddedReplica(tmp_path, f"r{i}") for i in range(2)]
     front = front_server(tmp_path, "anthropic", [r.url for r in replicas], max_in_flight=8)

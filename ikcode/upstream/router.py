@@ -15,6 +15,9 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+# New sessions follow their prefix's replica until it holds this many more sessions than another.
+SESSION_SLACK = 2
+
 
 @dataclass
 class Replica:
@@ -54,6 +57,18 @@ class Router:
     def _by_prefix(self, key: str, candidates: list[Replica]) -> Replica:
         return max(candidates, key=lambda r: _score(key, r.url))
 
+    def _place_new(self, prefix_key: str, up: list[Replica]) -> Replica:
+        """A new session goes where its prefix hashes, unless that replica is at its in-flight
+        limit or already holds clearly more sessions than another (the prefix of a brand-new
+        conversation is mostly its own, so spreading sessions costs little cache)."""
+        chosen = self._by_prefix(prefix_key, up)
+        if chosen.in_flight >= self.max_in_flight:
+            return min(up, key=lambda r: (r.in_flight, -_score(prefix_key, r.url)))
+        fewest = min(up, key=lambda r: (len(r.sessions), r.in_flight, -_score(prefix_key, r.url)))
+        if len(chosen.sessions) > len(fewest.sessions) + SESSION_SLACK:
+            return fewest
+        return chosen
+
     def pick(self, session_id: str | None, prefix_key: str, exclude: set[str] = frozenset()) -> Replica:
         """The replica for this request, with its in-flight count already taken (call `release`)."""
         with self._lock:
@@ -65,9 +80,7 @@ class Router:
                 self.moves["replica_down"] += 1
                 current = None
             if current is None:
-                chosen = self._by_prefix(prefix_key, up)
-                if chosen.in_flight >= self.max_in_flight:
-                    chosen = min(up, key=lambda r: (r.in_flight, -_score(prefix_key, r.url)))
+                chosen = self._place_new(prefix_key, up)
             elif current.in_flight >= self.max_in_flight:
                 # The load guard: move only to a replica that is clearly less loaded.
                 lighter = min(up, key=lambda r: r.in_flight)
@@ -97,7 +110,7 @@ class Router:
             if current is not None and current.healthy:
                 return current
             up = self.healthy()
-            return self._by_prefix(prefix_key, up) if up else None
+            return self._place_new(prefix_key, up) if up else None
 
     def url_of(self, name: str | None) -> str | None:
         return next((r.url for r in self.replicas if r.name == name), None)

@@ -4,6 +4,7 @@ engine) over HTTP on 127.0.0.1, through the official SDK."""
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -145,3 +146,25 @@ def test_hang_up_before_the_first_chunk_releases_the_replica(replica, tmp_path):
     assert record["error"] == "client disconnected" and record["replica"]
     assert up.admission is not None
     assert [s["inflight_prefills"] for s in up.admission.stats().values()] == [0]
+
+
+def test_a_relayed_stream_counts_as_in_flight_until_it_ends(front, replica):
+    headers = {"x-api-key": FRONT_TOKEN, "anthropic-version": "2023-06-01"}
+    body = {
+        "model": "tiny",
+        "max_tokens": 16,
+        "stream": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    with httpx.Client(timeout=60) as http:
+        assert http.get(front.url + "/health").json()["in_flight"] == 0
+        with http.stream("POST", front.url + "/v1/messages", json=body, headers=headers) as resp:
+            lines = resp.iter_lines()
+            assert next(line for line in lines if line.startswith("event: message_start"))
+            assert http.get(front.url + "/health").json()["in_flight"] == 1  # still streaming
+            rest = list(lines)
+        assert any(line.startswith("event: message_stop") for line in rest)
+        deadline = time.monotonic() + 5
+        while http.get(front.url + "/health").json()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert http.get(front.url + "/health").json()["in_flight"] == 0

@@ -39,6 +39,7 @@ from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.request_log import RequestLog
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.settings import GatewaySettings
+from ikcode.gateway.sse import ClosingStreamingResponse
 
 from . import anthropic_proxy, openai_proxy
 from .admission import UpstreamAdmission
@@ -156,6 +157,7 @@ def create_upstream_app(
             record["user"] = authenticate(up, request)
             up.in_flight += 1
             up.metrics.in_flight.inc()
+            answer: Response | None = None
             try:
                 if config.kind == "anthropic":
                     raw = await _read_raw(up, request)
@@ -165,19 +167,22 @@ def create_upstream_app(
                         parsed = None  # the upstream answers malformed JSON in its own words
                     if isinstance(parsed, dict):
                         await _admit(up, request, parsed, record)
-                    return await anthropic_proxy.forward_messages(up, request, raw, record, arrived, parsed)
-                body = await read_model(up, request, MessagesRequest)
-                check_model(up, body.model)
-                record.update(model=body.model, stream=bool(body.stream))
-                data = body.model_dump(exclude_none=True)
-                await _admit(up, request, data, record)
-                return await openai_proxy.forward_messages(up, request, body, record, arrived, data)
+                    answer = await anthropic_proxy.forward_messages(up, request, raw, record, arrived, parsed)
+                else:
+                    body = await read_model(up, request, MessagesRequest)
+                    check_model(up, body.model)
+                    record.update(model=body.model, stream=bool(body.stream))
+                    data = body.model_dump(exclude_none=True)
+                    await _admit(up, request, data, record)
+                    answer = await openai_proxy.forward_messages(up, request, body, record, arrived, data)
+                return answer
             except BaseException:
                 up.settle(record)  # refused or failed before an answer: free its admission place
                 raise
             finally:
-                up.in_flight -= 1
-                up.metrics.in_flight.dec()
+                # A relayed stream stays in flight until its StreamEnd runs (forward.py).
+                if not isinstance(answer, ClosingStreamingResponse):
+                    up.stream_ended()
 
         response = await guarded(request, handler)
         if "status" not in record:  # refused before reaching a replica

@@ -144,6 +144,7 @@ class StreamEnd:
         # Book-keeping first: under cancellation (a client that hung up) the await below would
         # raise again and skip anything after it.
         self.up.router.release(self.replica)
+        self.up.stream_ended()
         finish()
         with anyio.CancelScope(shield=True):
             await aclose_quietly(self.response)

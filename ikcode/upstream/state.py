@@ -37,6 +37,11 @@ class Upstream:
                 record.get("cached_tokens"),
             )
 
+    def stream_ended(self) -> None:
+        """One request stopped being in flight (its answer was sent, or its stream ended)."""
+        self.in_flight = max(0, self.in_flight - 1)
+        self.metrics.in_flight.dec()
+
     def first_token(self, record: dict) -> None:
         if self.admission is not None:
             self.admission.first_token(record["request_id"])

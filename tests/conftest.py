@@ -81,3 +81,14 @@ def claude_home(tmp_path):
         )
     )
     return home, project
+
+
+@pytest.fixture(scope="session")
+def default_model(tmp_path_factory: pytest.TempPathFactory):
+    """The real default model, loaded once per session with its weight cache in the test folder
+    (session fixtures run before the per-test isolation above, so set the cache dir here)."""
+    from ikcode.model.loader import load_model
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("IKCODE_CACHE_DIR", str(_session_cache_dir(tmp_path_factory)))
+        return load_model(None)

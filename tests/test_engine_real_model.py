@@ -13,10 +13,8 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    from ikcode.model.loader import load_model
-
-    return load_model(None)
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

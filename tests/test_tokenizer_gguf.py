@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from ikcode.model.loader import LoadedModel, load_model
+from ikcode.model.loader import LoadedModel
 
 pytestmark = pytest.mark.model
 
@@ -27,13 +25,8 @@ CORPUS = [
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    # Module fixtures run before the per-test home isolation: point the weight cache at a
-    # session-wide test folder ourselves, so a test run never writes the user's cache.
-    shared = os.environ.get("IKCODE_TEST_CACHE_DIR") or tmp_path_factory.getbasetemp() / "model-cache"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("IKCODE_CACHE_DIR", str(shared))
-        return load_model(None)
+def model(default_model: LoadedModel) -> LoadedModel:
+    return default_model
 
 
 def test_vocabulary_and_special_tokens(model: LoadedModel) -> None:

@@ -4,6 +4,7 @@ engine) over HTTP on 127.0.0.1, through the official SDK."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import anthropic
@@ -148,7 +149,17 @@ def test_hang_up_before_the_first_chunk_releases_the_replica(replica, tmp_path):
     assert [s["inflight_prefills"] for s in up.admission.stats().values()] == [0]
 
 
-def test_a_relayed_stream_counts_as_in_flight_until_it_ends(front, replica):
+def test_a_relayed_stream_counts_as_in_flight_until_it_ends(front, replica, monkeypatch):
+    # The replica's engine thread is held before its first token, so the stream is certainly
+    # still open upstream while the front is asked (a fast tiny model could otherwise finish first).
+    gate = threading.Event()
+    append_token = replica.engine._append_token
+
+    def held_append_token(seq, token):
+        assert gate.wait(30)
+        append_token(seq, token)
+
+    monkeypatch.setattr(replica.engine, "_append_token", held_append_token)
     headers = {"x-api-key": FRONT_TOKEN, "anthropic-version": "2023-06-01"}
     body = {
         "model": "tiny",
@@ -161,7 +172,10 @@ def test_a_relayed_stream_counts_as_in_flight_until_it_ends(front, replica):
         with http.stream("POST", front.url + "/v1/messages", json=body, headers=headers) as resp:
             lines = resp.iter_lines()
             assert next(line for line in lines if line.startswith("event: message_start"))
-            assert http.get(front.url + "/health").json()["in_flight"] == 1  # still streaming
+            try:
+                assert http.get(front.url + "/health").json()["in_flight"] == 1  # still streaming
+            finally:
+                gate.set()
             rest = list(lines)
         assert any(line.startswith("event: message_stop") for line in rest)
         deadline = time.monotonic() + 5

@@ -49,7 +49,6 @@ def test_second_load_comes_from_the_cache(model: LoadedModel) -> None:
     again = load_model(None)
     assert again.from_cache
     assert again.config == model.config == first.config
-    assert again.load_seconds < 3.0  # dequantizing takes ~6 s on a 2-core machine; a hit ~0.3 s
     for name in ("model.embed_tokens.weight", "model.layers.7.self_attn.k_proj.weight"):
         assert torch.equal(again.state_dict[name], model.state_dict[name])
     assert again.tokenizer.encode("Hi 42 <|im_end|>") == model.tokenizer.encode("Hi 42 <|im_end|>")

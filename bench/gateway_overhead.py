@@ -115,8 +115,10 @@ def main() -> None:
         "cached_tokens_found": statistics.median(hit_tokens),
         "request_bytes": len(raw),
         "iterations": args.iterations,
-        "warm_ms": {name: {"p50": round(statistics.median(v), 2), "p95": round(percentile(v, 0.95), 2)}
-                    for name, v in phases.items()},  # fmt: skip
+        "warm_ms": {
+            name: {"p50": round(statistics.median(v), 2), "p95": round(percentile(v, 0.95), 2)}
+            for name, v in phases.items()
+        },  # fmt: skip
         "cold_render_ms": round(cold_render_s * 1000, 1),
         "whole_text_encode_ms": round(whole_encode_s * 1000, 1),
         "whole_text_tokens": len(whole),

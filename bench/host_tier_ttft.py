@@ -165,8 +165,10 @@ def print_table(r: dict) -> None:
               f"{x['cached_tokens_host']:>9} | {x['computed_tokens']:>8} |")  # fmt: skip
     h = r["host_hit"]
     print(f"host hit: {h['promote_bytes'] / 2**20:.0f} MiB promoted in {h['promote_seconds']:.3f} s")
-    print(f"host/device TTFT {r['host_over_device']:.2f}x (target <= 2x); "
-          f"cold/host {r['cold_over_host']:.1f}x (target >= 5x); same reply tokens: {r['same_reply_tokens']}")
+    print(
+        f"host/device TTFT {r['host_over_device']:.2f}x (target <= 2x); "
+        f"cold/host {r['cold_over_host']:.1f}x (target >= 5x); same reply tokens: {r['same_reply_tokens']}"
+    )
     la, lb = r["loadavg_before"], r["loadavg_after"]
     print(f"load average (1/5/15 min) before {la[0]:.2f} {la[1]:.2f} {la[2]:.2f}, "
           f"after {lb[0]:.2f} {lb[1]:.2f} {lb[2]:.2f}")  # fmt: skip

@@ -33,8 +33,16 @@ def main() -> None:
             lru = replay_trace(requests, device, host, "lru")
             ours = replay_trace(requests, device, host, "ikcode", references=False)
             belady = lru["belady_device_plus_host"] if host else lru["belady"]
-            rows.append({"device_tokens": device, "host_tokens": host, "lru": lru, "ikcode": ours,
-                         "belady": belady, "infinite_bound": lru["infinite_bound"]})
+            rows.append(
+                {
+                    "device_tokens": device,
+                    "host_tokens": host,
+                    "lru": lru,
+                    "ikcode": ours,
+                    "belady": belady,
+                    "infinite_bound": lru["infinite_bound"],
+                }
+            )
     elapsed = time.perf_counter() - t0
 
     def cell(r: dict) -> str:
@@ -47,8 +55,10 @@ def main() -> None:
     for row in rows:
         host = f"{row['host_tokens'] // 1_000_000}M" if row["host_tokens"] else "-"
         frac = row["ikcode"]["hit_ratio_tokens"] / row["infinite_bound"]["hit_ratio_tokens"]
-        print(f"| {row['device_tokens'] // 1_000_000}M | {host} | {cell(row['lru'])} | {cell(row['ikcode'])} "
-              f"| {cell(row['belady'])} | {cell(row['infinite_bound'])} | {frac:.1%} |")
+        print(
+            f"| {row['device_tokens'] // 1_000_000}M | {host} | {cell(row['lru'])} | {cell(row['ikcode'])} "
+            f"| {cell(row['belady'])} | {cell(row['infinite_bound'])} | {frac:.1%} |"
+        )
     print("Belady: optimal eviction at the device capacity (device + host capacity in host-tier rows).")
     print(f"replayed {len(rows) * 2} runs in {elapsed:.1f} s")
     if args.json_out:

@@ -20,7 +20,11 @@ def free_port() -> int:
 def ikcode(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 300):
     return subprocess.run(
         [sys.executable, "-m", "ikcode", *args],
-        capture_output=True, text=True, timeout=timeout, env=env or dict(os.environ), cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env or dict(os.environ),
+        cwd=cwd,
     )
 
 

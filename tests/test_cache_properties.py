@@ -30,8 +30,14 @@ def test_random_workloads_keep_invariants(ops, num_device, num_host, policy, wri
     now = [0.0]
     store = ByteStore(num_device, num_host)
     c = PrefixCache(
-        num_device, BS, num_host, store=store, policy=policy, write_through=write_through,
-        clock=lambda: now[0], bytes_per_block=7,
+        num_device,
+        BS,
+        num_host,
+        store=store,
+        policy=policy,
+        write_through=write_through,
+        clock=lambda: now[0],
+        bytes_per_block=7,
     )
     live: dict[str, list] = {}  # seq -> its full-block keys
     for n, (kind, arg, extra) in enumerate(ops):

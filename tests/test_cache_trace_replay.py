@@ -43,8 +43,10 @@ def test_host_tier_recovers_the_infinite_bound():
 
 
 def test_partial_last_block_counts_its_tokens():
-    recs = [{"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [1, 2]},
-            {"timestamp": 5, "input_length": 600, "output_length": 1, "hash_ids": [1, 3]}]
+    recs = [
+        {"timestamp": 0, "input_length": 700, "output_length": 1, "hash_ids": [1, 2]},
+        {"timestamp": 5, "input_length": 600, "output_length": 1, "hash_ids": [1, 3]},
+    ]
     r = replay_trace(recs, device_tokens=512 * 8)
     assert r["hit_ratio_blocks"] == pytest.approx(1 / 4)
     assert r["hit_ratio_tokens"] == pytest.approx(512 / 1300)
@@ -54,8 +56,10 @@ def test_belady_is_optimal_on_a_classic_sequence():
     # Single-block requests a b c a b d a b with room for 2: Belady keeps a and b after c.
     reqs = [[k] for k in "abcabdab"]
     assert sum(belady_hits(reqs, 2)) == 4 == sum(infinite_hits(reqs))
-    recs = [{"timestamp": i, "input_length": 512, "output_length": 1, "hash_ids": [ord(k)]}
-            for i, k in enumerate("abcabdab")]
+    recs = [
+        {"timestamp": i, "input_length": 512, "output_length": 1, "hash_ids": [ord(k)]}
+        for i, k in enumerate("abcabdab")
+    ]
     r = replay_trace(recs, device_tokens=1024)
     assert r["hit_ratio_blocks"] == 0  # LRU thrashes on this sequence
     assert r["belady"]["hit_ratio_blocks"] == pytest.approx(0.5)

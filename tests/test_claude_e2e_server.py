@@ -28,16 +28,39 @@ def test_two_turns_through_ikcode_up(tmp_path, claude_bin, claude_home):
     started = ikcode("up", "--profile", str(profile))
     assert started.returncode == 0, started.stderr
     try:
-        first = ikcode("claude", "--profile", str(profile), "--", "-p", "Name one planet.",
-                       "--output-format", "json", env=env, cwd=project, timeout=600)
+        first = ikcode(
+            "claude",
+            "--profile",
+            str(profile),
+            "--",
+            "-p",
+            "Name one planet.",
+            "--output-format",
+            "json",
+            env=env,
+            cwd=project,
+            timeout=600,
+        )
         assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
         result = json.loads(first.stdout)
         assert result["is_error"] is False
         after_first = _log_lines()
         assert after_first, "the server logged no request"
 
-        second = ikcode("claude", "--profile", str(profile), "--", "-p", "And another one?", "--continue",
-                        "--output-format", "json", env=env, cwd=project, timeout=600)
+        second = ikcode(
+            "claude",
+            "--profile",
+            str(profile),
+            "--",
+            "-p",
+            "And another one?",
+            "--continue",
+            "--output-format",
+            "json",
+            env=env,
+            cwd=project,
+            timeout=600,
+        )
         assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
         assert json.loads(second.stdout)["is_error"] is False
         lines = _log_lines()

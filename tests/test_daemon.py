@@ -30,8 +30,12 @@ def test_up_status_logs_down_and_refusals(tmp_path):
         reply = httpx.post(
             f"{url}/v1/messages",
             headers={"Authorization": f"Bearer {token}", "anthropic-version": "2023-06-01"},
-            json={"model": "smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
-                  "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+            json={
+                "model": "smollm2-135m-instruct",
+                "max_tokens": 8,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            },
             timeout=120,
         )
         assert reply.status_code == 200, reply.text
@@ -70,8 +74,9 @@ def test_port_taken_is_refused_clearly(tmp_path):
 
 
 def test_stale_pid_file_is_cleaned_up():
-    daemon.write_state(daemon.ServerState(2**22 + 12345, "127.0.0.1", 1, "http://127.0.0.1:1", "local",
-                                          "x.log", 0.0))
+    daemon.write_state(
+        daemon.ServerState(2**22 + 12345, "127.0.0.1", 1, "http://127.0.0.1:1", "local", "x.log", 0.0)
+    )
     result = ikcode("status")
     assert result.returncode == 3 and "not running" in result.stdout
     assert not daemon.state_file().exists()

@@ -54,7 +54,7 @@ def test_finished_comes_steps_before_finalize_seq():
     add(e, "a", random_tokens(300, 1), max_tokens=4)
     steps = drive(e, 12)
     done_at = next(i + 1 for i, outs in enumerate(steps) if any(f for *_, f in outs))
-    (rid, freed_at), = e.finalized
+    ((rid, freed_at),) = e.finalized
     assert rid == "a" and freed_at >= done_at + 1  # one or more steps later, at a decode schedule
 
 
@@ -85,7 +85,7 @@ def test_outputs_are_released_by_the_next_step():
 def test_eos_is_emitted_as_a_token_and_rejections_echo_the_last_prompt_token():
     e = engine()
     assert e.add_request("u", "r", di.SamplingParams(), np.arange(4096, dtype=np.int32) % 200 + 3) is None
-    (rid, token, reason, finished), = drive(e, 1)[0]
+    ((rid, token, reason, finished),) = drive(e, 1)[0]
     assert (rid, token, reason, finished) == ("r", (4095 % 200) + 3, "prompt_length_exceeded", True)
     eos = []
     for batch in range(50):  # some reply hits EOS within 16 tokens (1 in 100 per token)

@@ -118,7 +118,7 @@ def test_tool_round_trip_and_thinking_rendered(tokenizer):
     text = text_of(tokenizer, rendered)
     assert (
         '<think>\nhmm\n</think>\nReading.\n<tool_call>\n{"name": "Read", "arguments": {"path": "a.py"}}'
-        '\n</tool_call>' in text
+        "\n</tool_call>" in text
     )
     assert "<|im_start|>user\n<tool_response>\nx = 1\n</tool_response><|im_end|>" in text
 

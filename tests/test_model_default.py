@@ -90,8 +90,10 @@ def reference_logits(sd: dict[str, torch.Tensor], c: ModelConfig, ids: list[int]
 def _chat_prompt(model: LoadedModel, question: str) -> list[int]:
     import jinja2
 
-    text = jinja2.Environment().from_string(model.chat_template or "").render(
-        messages=[{"role": "user", "content": question}], add_generation_prompt=True
+    text = (
+        jinja2.Environment()
+        .from_string(model.chat_template or "")
+        .render(messages=[{"role": "user", "content": question}], add_generation_prompt=True)
     )
     return model.tokenizer.encode(text)
 

@@ -48,9 +48,7 @@ def host_engine(**config):
     return tiny_engine(**defaults)
 
 
-@pytest.mark.parametrize(
-    "architecture, write_through", [("llama", False), ("qwen2", False), ("llama", True)]
-)
+@pytest.mark.parametrize("architecture, write_through", [("llama", False), ("qwen2", False), ("llama", True)])
 def test_promoted_blocks_are_byte_identical_and_generate_like_cold(architecture: str, write_through: bool):
     engine = host_engine(architecture=architecture, host_write_through=write_through)
     prefix, tail = prompt_of(1, 200), prompt_of(2, 40)
@@ -138,8 +136,9 @@ def random_workload(engine, seed: int, num_requests: int, abort_fraction: float,
 
 @pytest.mark.parametrize("policy", ["lru", "ikcode"])
 def test_no_leaks_after_aborts_with_demotions_and_promotions(policy: str):
-    engine = host_engine(kv_memory_bytes=24 * BLOCK_BYTES, host_kv_memory_bytes=40 * BLOCK_BYTES,
-                         cache_policy=policy)
+    engine = host_engine(
+        kv_memory_bytes=24 * BLOCK_BYTES, host_kv_memory_bytes=40 * BLOCK_BYTES, cache_policy=policy
+    )
     random_workload(engine, seed=7, num_requests=40, abort_fraction=0.35)
     stats = engine.cache.stats
     assert stats.demoted_blocks > 0 and stats.promoted_blocks > 0 and stats.host_evicted_blocks > 0

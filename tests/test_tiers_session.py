@@ -20,8 +20,9 @@ def _one_thread():
 
 
 def session_engine(**config):
-    defaults = dict(kv_memory_bytes=32 * BLOCK_BYTES, host_kv_memory_bytes=128 * BLOCK_BYTES,
-                    cache_policy="ikcode")
+    defaults = dict(
+        kv_memory_bytes=32 * BLOCK_BYTES, host_kv_memory_bytes=128 * BLOCK_BYTES, cache_policy="ikcode"
+    )
     defaults.update(config)
     return tiny_engine(**defaults)
 
@@ -59,8 +60,13 @@ def test_plain_lru_ignores_holds():
 def test_aborted_request_is_not_held():
     engine = session_engine()
     stream = engine.submit(
-        EngineRequest("s1", prompt_of(6, 192), SamplingParams(max_tokens=500, ignore_eos=True),
-                      session_id="s1", hold_tail_s=30.0)
+        EngineRequest(
+            "s1",
+            prompt_of(6, 192),
+            SamplingParams(max_tokens=500, ignore_eos=True),
+            session_id="s1",
+            hold_tail_s=30.0,
+        )
     )
     for event in stream:
         if event.token_ids:

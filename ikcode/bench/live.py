@@ -93,8 +93,10 @@ async def _turn(
                         usage = data.get("message", {}).get("usage", {})
                         cached = usage.get("cache_read_input_tokens", 0) or 0
                         result.cached_tokens = cached
-                        result.prompt_tokens = (usage.get("input_tokens", 0) or 0) + cached + (
-                            usage.get("cache_creation_input_tokens", 0) or 0
+                        result.prompt_tokens = (
+                            (usage.get("input_tokens", 0) or 0)
+                            + cached
+                            + (usage.get("cache_creation_input_tokens", 0) or 0)
                         )
                     elif event == "content_block_delta":
                         if result.ttft_s is None:

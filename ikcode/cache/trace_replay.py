@@ -40,8 +40,9 @@ class TraceRequest:
         return sum(self.block_tokens)
 
 
-def load_trace(path_or_records: str | PathLike | Iterable[dict], block_tokens: int = TRACE_BLOCK_TOKENS
-               ) -> list[TraceRequest]:
+def load_trace(
+    path_or_records: str | PathLike | Iterable[dict], block_tokens: int = TRACE_BLOCK_TOKENS
+) -> list[TraceRequest]:
     if isinstance(path_or_records, str | PathLike):
         with open(Path(path_or_records)) as f:
             records = [json.loads(line) for line in f if line.strip()]
@@ -103,8 +104,14 @@ def replay_requests(
 ) -> tuple[PrefixCache, list[int], list[int], int]:
     """Run the requests through a PrefixCache. Returns (cache, device hits, host hits, skipped)."""
     now = [0.0]
-    cache = PrefixCache(device_blocks, block_tokens, host_blocks, policy=policy,
-                        write_through=write_through, clock=lambda: now[0])
+    cache = PrefixCache(
+        device_blocks,
+        block_tokens,
+        host_blocks,
+        policy=policy,
+        write_through=write_through,
+        clock=lambda: now[0],
+    )
     dev_hits: list[int] = []
     host_hits: list[int] = []
     skipped = 0
@@ -165,15 +172,19 @@ def replay_trace(
         result["belady"] = {"capacity_blocks": device_blocks, **_ratios(requests, belady)}
         if host_blocks:
             both = device_blocks + host_blocks
-            result["belady_device_plus_host"] = {"capacity_blocks": both,
-                                                 **_ratios(requests, belady_hits(keys, both))}
+            result["belady_device_plus_host"] = {
+                "capacity_blocks": both,
+                **_ratios(requests, belady_hits(keys, both)),
+            }
     return result
 
 
 def format_table(results: list[dict]) -> str:
     """One line per replay result: capacities, policy, hit ratio (tokens/blocks) and references."""
-    head = f"{'device':>8} {'host':>8} {'policy':>7} {'hit tok':>8} {'hit blk':>8} {'dev tok':>8} " \
-           f"{'host tok':>8} {'belady':>8} {'infinite':>8}"
+    head = (
+        f"{'device':>8} {'host':>8} {'policy':>7} {'hit tok':>8} {'hit blk':>8} {'dev tok':>8} "
+        f"{'host tok':>8} {'belady':>8} {'infinite':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in results:
         bel = r.get("belady", {}).get("hit_ratio_tokens")

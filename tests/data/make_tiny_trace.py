@@ -25,8 +25,14 @@ def records() -> list[dict]:
         for s in range(SESSIONS):
             own = [1000 + s * 100 + i for i in range(ADD * k)]  # ids unique to session s
             ids = list(range(ROOT)) + own
-            out.append({"timestamp": len(out) * 1000, "input_length": 512 * len(ids),
-                        "output_length": 50, "hash_ids": ids})
+            out.append(
+                {
+                    "timestamp": len(out) * 1000,
+                    "input_length": 512 * len(ids),
+                    "output_length": 50,
+                    "hash_ids": ids,
+                }
+            )
     return out
 
 
@@ -34,8 +40,12 @@ def expected() -> dict[str, float]:
     n = SESSIONS * TURNS
     blocks = SESSIONS * (TURNS * ROOT + ADD * TURNS * (TURNS + 1) // 2)
     inf_hits = SESSIONS * (TURNS * ROOT + ADD * TURNS * (TURNS - 1) // 2) - ROOT
-    return {"blocks": blocks, "infinite": inf_hits / blocks, "lru_32": ROOT * (n - 1) / blocks,
-            "distinct_blocks": ROOT + SESSIONS * TURNS * ADD}
+    return {
+        "blocks": blocks,
+        "infinite": inf_hits / blocks,
+        "lru_32": ROOT * (n - 1) / blocks,
+        "distinct_blocks": ROOT + SESSIONS * TURNS * ADD,
+    }
 
 
 if __name__ == "__main__":

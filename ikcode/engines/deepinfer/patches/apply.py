@@ -43,7 +43,7 @@ def patch_text(text: str) -> tuple[str, bool]:
             )
             lines.insert(i + 1, new)
             return "".join(lines), True
-    raise PatchError(f"no .def_readwrite(\"num_cached_tokens\", ...) line found in {BINDING_FILE}")
+    raise PatchError(f'no .def_readwrite("num_cached_tokens", ...) line found in {BINDING_FILE}')
 
 
 def apply(source_dir: Path) -> bool:

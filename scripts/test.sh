@@ -25,6 +25,16 @@ if command -v npm >/dev/null 2>&1; then
   export IKCODE_TEST_CLAUDE_BIN="$claude_dir/node_modules/.bin/claude"
 fi
 
+# llama.cpp's OpenAI-compatible server, an independent engine for the translation tests. pip
+# builds it from source unless it has the wheel cached (~15 min on two cores, once); where it
+# cannot be built those tests skip and say why. IKCODE_TEST_LLAMACPP=0 leaves it out.
+llamacpp_spec="llama-cpp-python[server]==${IKCODE_LLAMACPP_VERSION:-0.3.36}"
+if [ "${IKCODE_TEST_LLAMACPP:-1}" != 0 ] && ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
+  echo "==> installing $llamacpp_spec (compiles llama.cpp unless pip has it cached)"
+  timeout 2400 .venv/bin/pip install -q "$llamacpp_spec" ||
+    echo "(llama-cpp-python not installed: its tests will skip)"
+fi
+
 set +e
 .venv/bin/python -m pytest -q "$@"
 status=$?

@@ -2,7 +2,7 @@
 (`llama-cpp-python[server]`) on the default model's GGUF, on 127.0.0.1, through the translation:
 plain answers, streaming, tools (forced tool choice, streamed argument deltas), tool results.
 
-Needs `pip install 'llama-cpp-python[server]'` (compiles llama.cpp; not part of CI's install).
+Needs `pip install 'llama-cpp-python[server]'` (compiles llama.cpp); scripts/test.sh installs it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import pytest
 from tests.test_upstream_support import FRONT_TOKEN, front_records, front_server
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.slow, pytest.mark.model]
-try:  # CI does not build llama-cpp-python (~14 min of compiling): skip, saying why
+try:  # where llama-cpp-python could not be built: skip, saying why
     import llama_cpp  # noqa: F401
     import llama_cpp.server  # noqa: F401
 except ImportError as error:

@@ -179,8 +179,8 @@ class DecoderLayer(nn.Module):
         flat_k.index_copy_(0, batch.write_slots, k.index_select(0, batch.write_rows))
         flat_v.index_copy_(0, batch.write_slots, v.index_select(0, batch.write_rows))
         out = torch.empty(rows, self.q_size, dtype=x.dtype, device=x.device)
-        if rows > sum(g.num_rows for s in batch.seqs for g in s.groups):
-            out.zero_()  # padding rows: keep them finite
+        if batch.write_rows.numel() < rows:
+            out.zero_()  # padding rows (every other row writes K/V): keep them finite
         kvh, hd, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         for s in batch.seqs:
             # Read (or gathered) once per sequence; each group takes a prefix of the keys (a view).

@@ -92,3 +92,12 @@ def default_model(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("IKCODE_CACHE_DIR", str(_session_cache_dir(tmp_path_factory)))
         return load_model(None)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project dir and a user config dir of our own: no settings file of the machine leaks in."""
+    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "claude-config"))
+    folder = tmp_path / "project"
+    folder.mkdir()
+    return folder

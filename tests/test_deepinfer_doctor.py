@@ -41,14 +41,6 @@ def doctor_on_deepinfer(tmp_path, project, mode: str, **engine_config):
         controller.shutdown(drain_timeout_s=1)
 
 
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "claude-config"))
-    folder = tmp_path / "project"
-    folder.mkdir()
-    return folder
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", [QUICK, FULL])
 def test_doctor_passes_the_adapter_that_commits_in_finalize_seq(tmp_path, project, mode):

@@ -32,15 +32,6 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A project dir and a user config dir of our own: no settings file of the machine leaks in."""
-    monkeypatch.setenv("CLAUDE_CONFIG_DIR", str(tmp_path / "claude-config"))
-    folder = tmp_path / "project"
-    folder.mkdir()
-    return folder
-
-
 def start_server(tokenizer, tmp_path, **engine_config):
     engine = tiny_engine(kv_memory_bytes=4 * 1024 * 1024, **engine_config)  # a 2048-token window
     engine.start()

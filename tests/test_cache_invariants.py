@@ -4,12 +4,13 @@ rolled back), no write into a shared committed block, and only real replies coun
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 
 from ikcode.cache import PrefixCache, hash_blocks
 from ikcode.cache.ikcode_policy import IkcodePolicy
-from ikcode.engines.base import EngineRequest, SamplingParams
+from ikcode.engines.base import EngineRequest, LifecycleKind, SamplingParams
 from tests.test_cache_helpers import ByteStore, check_bytes, compute
 from tests.tiny_model import assert_pool_clean, tiny_engine, wait_idle
 
@@ -202,5 +203,27 @@ def test_engine_never_writes_into_a_committed_block():
         engine.submit(EngineRequest(name, prompt, SamplingParams(max_tokens=2))).collect(30)
         wait_idle(engine)
     assert writes_into_committed == [], writes_into_committed
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+def test_admitted_listener_may_call_back_into_the_engine():
+    """Lifecycle events leave the engine outside its lock: a listener that asks for load() does
+    not deadlock the engine thread."""
+    engine = tiny_engine(kv_memory_bytes=1 << 20)
+    stuck: list[str] = []
+
+    def listener(event) -> None:
+        if event.kind is not LifecycleKind.ADMITTED:
+            return
+        probe = threading.Thread(target=engine.load, daemon=True)
+        probe.start()
+        probe.join(2.0)  # load() waits for the engine lock: held by our caller, it never comes
+        if probe.is_alive():
+            stuck.append(event.request_id)
+
+    engine.add_listener(listener)
+    engine.submit(EngineRequest("r", _engine_prompt(3, 40), SamplingParams(max_tokens=2))).collect(30)
+    assert stuck == [], "ADMITTED was emitted while the engine lock was held"
     assert_pool_clean(engine)
     engine.shutdown()

@@ -102,6 +102,17 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
     return Stack(controller, tokenizer, window, description)
 
 
+def cache_salting(profile: Profile) -> bool | None:
+    """`[cache] salt_per_user`: false shares one cache among all users (a single-team server that
+    wants the hits); true or absent isolates each token's entries whenever several can connect."""
+    value = profile.cache.get("salt_per_user")
+    if value is None or isinstance(value, bool):
+        return value
+    raise daemon.DaemonError(
+        f"profile {profile.source}: cache.salt_per_user must be true or false, got {value!r}"
+    )
+
+
 def gateway_settings(profile: Profile, host: str, context_window: int):
     from ikcode.gateway.settings import GatewaySettings
 
@@ -109,6 +120,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
     if profile.auth.required or not is_loopback(host):
         tokens = {"launcher": auth.load_or_create_token(), **auth.team_tokens()}
     return GatewaySettings(
+        cache_salt_per_user=cache_salting(profile),
         served_model=profile.served_model,
         context_window=context_window,
         max_output_tokens=profile.max_output_tokens,

@@ -95,7 +95,7 @@ def _summary(url: str, token: str) -> dict:
     out: dict = {}
     try:
         # The local server, never through an HTTP_PROXY from the environment (it would get the token).
-        out["health"] = httpx.get(f"{url}/health", timeout=3, trust_env=False).json()
+        out["health"] = httpx.get(f"{url}/health", headers=headers, timeout=3, trust_env=False).json()
         models = httpx.get(f"{url}/v1/models", headers=headers, timeout=3, trust_env=False).json()
         models = models.get("data") or []
         out["model"] = models[0] if models else None

@@ -42,11 +42,13 @@ class _EventReader:
         self._iter = stream.__aiter__()
         self._pending: asyncio.Future[TokenEvent] | None = None
 
-    async def next(self, timeout: float) -> TokenEvent | None:
+    async def next(self, timeout: float, interrupt: asyncio.Future | None = None) -> TokenEvent | None:
+        """None also when `interrupt` completes first."""
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._iter.__anext__())
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-        if not done:
+        waiting = {self._pending} if interrupt is None else {self._pending, interrupt}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._pending not in done:
             return None
         task, self._pending = self._pending, None
         return task.result()
@@ -168,12 +170,15 @@ class Generation:
 
     # -- non-streaming ------------------------------------------------------------------------
     async def collect(self, request: Request) -> Response:
+        # Watch the connection while the answer is being made: a client that hangs up must stop
+        # the engine's work now, not when the reply is done (close() aborts an unfinished one).
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while not self.finished:
-                event = await self.reader.next(self.gw.settings.ping_interval_s)
+                event = await self.reader.next(self.gw.settings.ping_interval_s, interrupt=gone)
+                if gone.done():
+                    return Response(status_code=499)
                 if event is None:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
                     continue
                 self._consume(event)
             if self.error is not None:
@@ -182,6 +187,7 @@ class Generation:
             self.completed = True
             return JSONResponse(self._message(self.builder.content, final=True))
         finally:
+            gone.cancel()
             self.close()
 
     # -- bookkeeping --------------------------------------------------------------------------
@@ -201,7 +207,9 @@ class Generation:
             except Exception:
                 logger.exception("could not remember the reply of %s", self.request_id)
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
-        gw.metrics.observe_generation(self.stats, ttft, len(self.builder.generated_ids))
+        gw.metrics.observe_generation(
+            self.stats, ttft, len(self.builder.generated_ids), self.record.get("user")
+        )
         self._write_record(ttft)
 
     def _write_record(self, ttft: float | None) -> None:
@@ -227,6 +235,12 @@ class Generation:
             record["output_token_ids"] = self.builder.generated_ids
             record["output"] = self.builder.content
         self.gw.log.write(record)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read: the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _ms(seconds: float | None) -> float | None:

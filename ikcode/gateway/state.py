@@ -23,5 +23,7 @@ class Gateway:
     log: RequestLog
     context_window: int
     in_flight: int = 0
+    body_limit_bytes: int = 0  # 0: settings.max_body_bytes (see request_limits)
+    max_token_chars: int | None = None  # the character check's bound; None: no such check
     # the latest prompt of each session, to log how much of the next one repeats it
     sessions: SessionPrefixes = field(default_factory=SessionPrefixes)

@@ -143,11 +143,21 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
     running = daemon.read_state()
     if running is not None and running.pid != os.getpid():
         raise daemon.DaemonError(f"ikcode is already running (pid {running.pid}) at {running.url}")
-    if daemon.port_in_use(host, port):
-        raise daemon.DaemonError(f"port {port} on {host} is already in use by another program")
+    problem = daemon.bind_problem(host, port)
+    if problem is not None:
+        raise daemon.DaemonError(problem)
     url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
     daemon.write_state(
-        daemon.ServerState(os.getpid(), host, port, url, profile.name, str(daemon.log_file()), time.time())
+        daemon.ServerState(
+            os.getpid(),
+            host,
+            port,
+            url,
+            profile.name,
+            str(daemon.log_file()),
+            time.time(),
+            daemon.process_identity(os.getpid()),
+        )
     )
     # SIGTERM while the model loads: leave at once (uvicorn installs its own handler later).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

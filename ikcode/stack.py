@@ -21,6 +21,7 @@ from ikcode.profiles import Profile
 log = logging.getLogger("ikcode.stack")
 
 MB = 1024 * 1024
+DEFAULT_DRAIN_S = 30.0  # when `ikcode down` did not say (a plain SIGTERM or Ctrl-C)
 
 
 @dataclass
@@ -159,6 +160,7 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
             daemon.process_identity(os.getpid()),
         )
     )
+    daemon.drain_file().unlink(missing_ok=True)  # a timeout left by an earlier `ikcode down`
     # SIGTERM while the model loads: leave at once (uvicorn installs its own handler later).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -170,7 +172,7 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
             except ValueError as err:
                 raise daemon.DaemonError(str(err)) from None
             log.info("%s; serving %s at %s", what, profile.served_model, url)
-            run_server(app, host, port, log_level="warning", graceful_timeout_s=30)
+            run_server(app, host, port, log_level="warning", graceful_timeout_s=int(DEFAULT_DRAIN_S))
             return
         stack = build_stack(profile, model_path)
         log.info("%s", stack.description)
@@ -178,10 +180,17 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
         app = create_app(stack.engine, stack.tokenizer, settings)
         log.info("serving %s at %s (context window %d)", profile.served_model, url, stack.context_window)
         try:
-            run_server(app, host, port, log_level="warning", graceful_timeout_s=30)
+            run_server(
+                app,
+                host,
+                port,
+                log_level="warning",
+                drain_timeout_s=lambda: daemon.read_drain_timeout(DEFAULT_DRAIN_S),
+            )
         finally:
-            log.info("draining the engine")
-            stack.engine.shutdown(drain_timeout_s=30)
+            log.info("stopping the engine")
+            # The gateway drained and cut every request already: what is left is bookkeeping.
+            stack.engine.shutdown(drain_timeout_s=5)
             log.info("stopped")
     finally:
         daemon.clear_state(os.getpid())

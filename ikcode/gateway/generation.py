@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ikcode.engines.base import (
     CacheLookup,
     EngineError,
+    EngineShutdown,
     FinishReason,
     RequestStats,
     RequestStream,
@@ -90,6 +91,8 @@ class Generation:
         self.completed = False  # the client got a whole answer
         self._stop_requested = False
         self._closed = False
+        self._cut = False  # ended by the server's drain deadline, not by the engine or client
+        gw.generations[request_id] = self
         gw.in_flight += 1
         gw.metrics.in_flight.inc()
 
@@ -106,6 +109,8 @@ class Generation:
             self.error = event.error if event.finish_reason == FinishReason.ERROR else None
             if self.finish_reason == FinishReason.ERROR and self.error is None:
                 self.error = EngineError("the engine failed this request")
+            if self._cut and self.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                self.error = EngineShutdown()  # an overloaded error the client may retry
         elif self.builder.done and not self._stop_requested:  # a stop sequence matched
             self._stop_requested = True
             self.gw.engine.abort(self.request_id)
@@ -191,12 +196,19 @@ class Generation:
             self.close()
 
     # -- bookkeeping --------------------------------------------------------------------------
+    def cut(self) -> None:
+        """Stop at the drain deadline: the client gets an overloaded error it may retry elsewhere."""
+        if not self.finished and not self._cut:
+            self._cut = True
+            self.gw.engine.abort(self.request_id)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.reader.close()
         gw = self.gw
+        gw.generations.pop(self.request_id, None)
         if not self.finished:  # the client went away: free the engine's sequence now
             gw.engine.abort(self.request_id)
         gw.in_flight -= 1

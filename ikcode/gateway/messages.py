@@ -76,6 +76,11 @@ def check_unsupported(body: MessagesRequest) -> None:
             raise invalid_request(f"stop_sequences.{index}: each stop sequence must contain non-whitespace")
 
 
+def check_draining(gw: Gateway) -> None:
+    if gw.draining:
+        raise APIError(529, "the server is shutting down; retry shortly", retry_after_s=5)
+
+
 def _render(gw: Gateway, body: MessagesRequest | CountTokensRequest) -> RenderedPrompt:
     return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages)
 
@@ -127,6 +132,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         "stream": bool(body.stream),
     }
     try:
+        check_draining(gw)
         check_model(gw, body.model)
         sampling = sampling_params(gw, body)
         check_unsupported(body)
@@ -149,6 +155,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         engine_request = EngineRequest(
             request_id, rendered.token_ids, sampling, salt, session_id, hold_tail_s=hold
         )
+        check_draining(gw)  # the drain may have begun while this prompt was rendered
         try:
             stream = gw.engine.submit(engine_request)
         except EngineError as error:

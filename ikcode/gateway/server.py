@@ -76,10 +76,15 @@ def run_server(
     # uvicorn's own wait comes after the drain: by then only idle connections are left.
     config = _config(app, host, port, log_level, graceful_timeout_s=int(CUT_GRACE_S) + 1)
     server = DrainingServer(config, app, drain_timeout_s or (lambda: float(graceful_timeout_s)))
+
     # uvicorn re-raises the signal it caught once it is done, to exit with it: the caller still
-    # has an engine to stop and a pid file to clear, so that second delivery is swallowed here.
+    # has an engine to stop and a pid file to clear, so that second delivery only asks (again) for
+    # the exit under way. One that comes before uvicorn's own handler is in place is not lost.
+    def stop(*_: object) -> None:
+        server.should_exit = True
+
     quiet = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in HANDLED_SIGNALS} if quiet else {}
+    previous = {sig: signal.signal(sig, stop) for sig in HANDLED_SIGNALS} if quiet else {}
     try:
         server.run()
     finally:

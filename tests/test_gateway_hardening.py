@@ -188,3 +188,17 @@ def test_a_huge_model_string_is_clipped_in_the_answer_and_the_log(served):
     assert len(text) < 1000
     record = log_records(log_path)[-1]
     assert record["status"] == 404 and len(json.dumps(record)) < 2000
+
+
+def test_the_request_log_is_rotated_at_its_size_limit(tmp_path):
+    from ikcode.gateway.request_log import RequestLog
+
+    log = RequestLog(tmp_path / "requests.jsonl", max_bytes=10_000)
+    for i in range(1000):
+        log.write({"request_id": i, "pad": "x" * 80})
+    log.close()
+    current, older = tmp_path / "requests.jsonl", tmp_path / "requests.jsonl.1"
+    assert older.exists() and older.stat().st_size <= 10_000 + 200
+    assert current.stat().st_size <= 10_000 + 200
+    last = json.loads(current.read_text().splitlines()[-1])
+    assert last["request_id"] == 999  # the newest lines are kept

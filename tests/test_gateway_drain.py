@@ -86,7 +86,11 @@ def test_sigterm_drains_for_the_given_timeout_then_answers_every_cut_request(tmp
         threads = [threading.Thread(target=plain), threading.Thread(target=streamed)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)  # both are generating now
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health", timeout=5).json()["in_flight"] < 2:  # both generating
+            assert time.monotonic() < deadline, "the two requests never started"
+            time.sleep(0.05)
+        time.sleep(0.3)
         daemon.write_drain_timeout(1.0)  # what `ikcode down --timeout 1` does before its SIGTERM
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -126,7 +126,12 @@ def own_history_bound(log_path, record: dict) -> int:
     return best
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(st.lists(st.tuples(st.sampled_from(sorted(TOKENS)), st.sampled_from(BASES)), min_size=2, max_size=6))
 def test_cache_reads_come_only_from_the_users_own_history(server, steps):
     nonce = next(NONCE)
@@ -153,3 +158,27 @@ def test_property_is_not_vacuous(server):
     thread.start()
     thread.join(60)
     assert hits[0] == 0 and hits[1] > 0
+
+
+def test_a_profile_salts_by_default_once_a_second_token_exists(tmp_path):
+    from ikcode import auth, daemon
+    from ikcode.profiles import load_profile, shipped_profiles_dir
+    from ikcode.stack import gateway_settings
+
+    local = load_profile("local")
+    assert not gateway_settings(local, "127.0.0.1", 8192).salts_per_user  # the launcher alone
+    auth.add_team_token("alice")
+    assert gateway_settings(local, "127.0.0.1", 8192).salts_per_user
+
+    text = (
+        (shipped_profiles_dir() / "local.toml")
+        .read_text()
+        .replace("[cache]\n", "[cache]\nsalt_per_user = false\n")
+    )
+    shared = tmp_path / "shared.toml"
+    shared.write_text(text)
+    assert not gateway_settings(load_profile(str(shared)), "127.0.0.1", 8192).salts_per_user
+
+    shared.write_text(text.replace("salt_per_user = false", 'salt_per_user = "no"'))
+    with pytest.raises(daemon.DaemonError, match="salt_per_user must be true or false"):
+        gateway_settings(load_profile(str(shared)), "127.0.0.1", 8192)

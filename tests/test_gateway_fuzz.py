@@ -87,6 +87,16 @@ def message_bodies(draw):
 
 
 @st.composite
+def sampling_bodies(draw):
+    """An otherwise valid request with sampling values at the edges (these reach the sampler)."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    for key in draw(st.lists(st.sampled_from(["temperature", "top_p", "top_k"]), min_size=1, unique=True)):
+        body[key] = draw(FIELDS[key] if key == "top_k" else tiny_or_odd_numbers)
+    body["stream"] = draw(st.booleans())
+    return json.dumps(body).encode()
+
+
+@st.composite
 def deep_bodies(draw):
     """Nesting far past any parser's comfort, in the body or inside a field."""
     depth = draw(st.sampled_from([64, 1000, 5000, 100_000]))
@@ -143,6 +153,7 @@ requests = st.tuples(
     ),  # fmt: skip
     st.one_of(
         message_bodies(),
+        sampling_bodies(),
         json_values.map(lambda v: json.dumps(v).encode()),
         st.binary(max_size=64),
         deep_bodies(),

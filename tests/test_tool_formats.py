@@ -144,7 +144,7 @@ CASES = [
         call_template="deepseek_v3.jinja",
         arguments_as_string=True,
         loose_tools_whitespace=True,
-        template_extra={"bos_token": "<｜begin▁of▁sentence｜>"},
+        template_extra={"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"},
         specials=tuple(FORMATS["deepseek_v3"].markers),
     ),
     Case(
@@ -311,3 +311,31 @@ def test_profile_names_every_format_and_an_unknown_one_is_refused() -> None:
     assert tool_format_for(load_template("qwen3.jinja"), "harmony").name == "harmony"  # the override wins
     with pytest.raises(UnknownToolFormat, match="unknown tool_format 'xml'"):
         tool_format_for(None, "xml")
+
+
+DS_BOS, DS_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+
+
+@pytest.mark.parametrize(
+    ("template", "bos", "eos", "user", "assistant", "assistant_end"),
+    [
+        # DeepSeek ends only assistant turns; its bos/eos come from the tokenizer's ids.
+        ("deepseek_v3.jinja", DS_BOS, DS_EOS, "<｜User｜>", "<｜Assistant｜>", DS_EOS),
+        # gpt-oss's template calls strftime_now, as transformers lets templates do.
+        ("gpt_oss.jinja", "<|startoftext|>", "<|return|>", "<|start|>user<|message|>", "<|start|>assistant",
+         "<|end|>"),
+    ],
+)  # fmt: skip
+def test_role_markers_probed_from_real_templates(template, bos, eos, user, assistant, assistant_end) -> None:
+    from ikcode.gateway.chat_format import derive_chat_format
+
+    specials = ("<|endoftext|>", bos, eos, *FORMATS[detect_tool_format(load_template(template))].markers)
+    tokenizer = Tokenizer.from_vocab(special_tokens=tuple(dict.fromkeys(specials)), eos_tokens=(eos,))
+    tokenizer.bos_token_id = tokenizer.token_to_id(bos)
+    found = derive_chat_format(tokenizer, load_template(template))
+    assert found.name == "probed"
+    assert (found.prefix["user"], found.generation_prompt, found.suffix["assistant"]) == (
+        user,
+        assistant,
+        assistant_end,
+    )

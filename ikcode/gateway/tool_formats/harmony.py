@@ -165,11 +165,6 @@ class HarmonyFormat(ToolFormat):
             text += "_: {\n" + ",\n".join(fields) + ",\n}) => any;\n"
         return text + "\n} // namespace functions"
 
-    def system_text(self, system: str, tools_text: str) -> str:
-        # The template's developer message: "# Instructions\n\n" + system, then the tools.
-        instructions = f"# Instructions\n\n{system}" if system else ""
-        return f"{instructions}\n\n{tools_text}"
-
     def call_text(self, call: CallItem) -> str:
         return f" to=functions.{call.name}{CHANNEL}commentary json{MESSAGE}{dumps(call.input)}"
 

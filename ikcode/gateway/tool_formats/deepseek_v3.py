@@ -1,10 +1,10 @@
 """DeepSeek V3: calls between <｜tool▁calls▁begin｜> and <｜tool▁calls▁end｜>, each
 <｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>.
 
-Markers as vLLM's deepseekv3_tool_parser.py reads them (V3.1's `NAME<｜tool▁sep｜>{...}` is read
-too). Calls and results as DeepSeek V3's own chat template writes them
-(tests/data/chat_templates/deepseek_v3.jinja), which has no tool list: that is vLLM's DeepSeek V3
-tool template's (a Hermes-style list and the call syntax).
+Markers as vLLM reads them (deepseekv3_tool_parser.py:53-61 @061b11d); V3.1's
+`NAME<｜tool▁sep｜>{...}` is read too. Calls and results as DeepSeek V3's own chat template
+writes them (tests/data/chat_templates/deepseek_v3.jinja). That template has no tool list; the
+list is vLLM's DeepSeek V3 tool template's (a Hermes-style list and the call syntax).
 """
 
 from __future__ import annotations

@@ -3,9 +3,12 @@
 The model writes `<|channel|>analysis<|message|>...<|end|>` (its reasoning, not shown),
 `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
 (a call; the recipient may also come before the channel) and `<|channel|>final<|message|>...`
-(the answer). vLLM's openai_tool_parser.py reads calls the same way: a message whose recipient
-starts with "functions." on any channel. Tool list (TypeScript-like), calls and results as gpt-oss's
-chat template writes them (tests/data/chat_templates/gpt_oss.jinja); results are JSON strings.
+(the answer). vLLM reads calls the same way (openai_tool_parser.py @0558e31): a message whose
+recipient starts with "functions." (:52; the name after it, :71), the "final" channel's text as
+the answer (:76). Tool list (TypeScript-like), calls and results as gpt-oss's chat template writes
+them (tests/data/chat_templates/gpt_oss.jinja); results are JSON strings. Known differences from
+the template's whole prompt: its system message gains a line about the 'functions' channel when
+there are tools, and it ends a past call with <|call|> where the turn here ends with <|end|>.
 """
 
 from __future__ import annotations

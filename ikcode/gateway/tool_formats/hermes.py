@@ -1,7 +1,7 @@
 """Hermes / Qwen2.5 / Qwen3: JSON calls in <tool_call></tool_call>, results in <tool_response>.
 
-Markers as vLLM's hermes_tool_parser.py reads them; tool list, call and result text as Qwen3's
-chat template writes them (tests/data/chat_templates/qwen3.jinja).
+Markers as vLLM reads them (hermes_tool_parser.py:42-46 @836d1f3); tool list, call and result
+text as Qwen3's chat template writes them (tests/data/chat_templates/qwen3.jinja).
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
 """Llama 3.x JSON calls: {"name": ..., "parameters": {...}}, optionally after <|python_tag|>.
 
-Markers as vLLM's llama_tool_parser.py reads them: a call is a reply that starts with the tag or
-with "{", several calls separated by ";". Tool list, call and result text as the Llama 3.1 JSON
-tool template writes them (tests/data/chat_templates/llama3_1_json.jinja) with the tools in the
-system turn, the template's `tools_in_user_message=false` layout: the first user message changes
-every conversation, so tools there could not be shared by the prefix cache.
+Markers as vLLM reads them (llama_tool_parser.py @02de3de): a call is a reply that starts with
+the tag (:49) or with "{" (:122-123), several calls separated by ";" (:82), the arguments under
+"parameters" or "arguments" (:95-97). Tool list, call and result text as the Llama 3.1 JSON tool
+template writes them (tests/data/chat_templates/llama3_1_json.jinja), with the tools in the system
+turn (the template's `tools_in_user_message=false` layout): the first user message changes every
+conversation, so tools there could not be shared by the prefix cache. The template also starts
+the system turn with "Environment: ipython" when there are tools; the role markers, probed
+without tools, do not.
 """
 
 from __future__ import annotations

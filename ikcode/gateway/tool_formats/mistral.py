@@ -1,10 +1,11 @@
 """Mistral: [TOOL_CALLS] then a JSON array of {"name", "arguments"} (or v11+ `name{...}`).
 
-Markers as vLLM's mistral_tool_parser.py reads them; tool list, call and result text as Mistral's
-own tool template writes them (tests/data/chat_templates/mistral.jinja). Two departures, both for
-the prefix cache: the template puts [AVAILABLE_TOOLS] before the last user message, which moves
-every turn, so the list goes at the start of the prompt instead; and Mistral's 9-character call
-ids are derived from the Anthropic ids (a digest), so a resent conversation renders the same.
+Markers as vLLM reads them (mistral_tool_parser.py @021235c: [TOOL_CALLS] :95, v11's `name{...}`
+:99-100, 9-character call ids :50-52); tool list, call and result text as Mistral's own tool
+template writes them (tests/data/chat_templates/mistral.jinja). Two departures, both for the
+prefix cache: the template puts [AVAILABLE_TOOLS] before the last user message, which moves every
+turn, so the list goes at the start of the prompt instead; and Mistral's 9-character call ids are
+derived from the Anthropic ids (a digest), so a resent conversation renders the same.
 """
 
 from __future__ import annotations

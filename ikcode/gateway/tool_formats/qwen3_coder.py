@@ -1,10 +1,11 @@
 """Qwen3-Coder: XML calls, <tool_call><function=NAME><parameter=KEY>value</parameter></function>.
 
-Markers as vLLM's qwen3coder_tool_parser.py reads them; tool list, call and result text as the
-Qwen3-Coder chat template writes them (tests/data/chat_templates/qwen3_coder.jinja). Parameter
-values are raw text, typed by the tool's JSON schema as vLLM's parser does: strings stay text,
-numbers and booleans are converted, objects and arrays parsed (with json_repair when sloppy), and
-"null" is None.
+Markers as vLLM reads them (qwen3coder_tool_parser.py:37-42 @0054011; a parameter ends at
+</parameter>, the next <parameter= or </function>, :56-58); tool list, call and result text as
+the Qwen3-Coder chat template writes them (tests/data/chat_templates/qwen3_coder.jinja). Parameter
+values are raw text, typed by the tool's JSON schema as vLLM's parser does (_convert_param_value,
+:124 on): strings stay text, numbers and booleans are converted, objects and arrays parsed (with
+json_repair when sloppy), and "null" is None.
 """
 
 from __future__ import annotations

@@ -140,3 +140,46 @@ def test_engine_greedy_tokens_match_transformers(loaded: LoadedModel, reference)
 
 def test_cached_prefix_equals_cold() -> None:
     determinism.test_cached_prefix_equals_cold("qwen3")
+
+
+def write_qwen3_gguf(path: Path, state_dict: dict[str, torch.Tensor]) -> Path:
+    """The same weights as a llama.cpp-style Qwen3 GGUF (F32; names from gguf's own Qwen3 map)."""
+    gguf = pytest.importorskip("gguf")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, CONFIG["num_hidden_layers"])
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(CONFIG["num_hidden_layers"])
+    writer.add_vocab_size(CONFIG["vocab_size"])  # the embedding has rows past the tokenizer
+    writer.add_context_length(CONFIG["max_position_embeddings"])
+    writer.add_embedding_length(CONFIG["hidden_size"])
+    writer.add_feed_forward_length(CONFIG["intermediate_size"])
+    writer.add_head_count(CONFIG["num_attention_heads"])
+    writer.add_head_count_kv(CONFIG["num_key_value_heads"])
+    writer.add_key_length(CONFIG["head_dim"])
+    writer.add_value_length(CONFIG["head_dim"])
+    writer.add_rope_freq_base(CONFIG["rope_theta"])
+    writer.add_layer_norm_rms_eps(CONFIG["rms_norm_eps"])
+    tokenizer = Tokenizer.from_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list([tokenizer.id_to_token(i) for i in range(tokenizer.vocab_size)])
+    writer.add_token_types([3, 3, 3] + [1] * (tokenizer.vocab_size - 3))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(2)
+    for name, tensor in state_dict.items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_qwen3_loads_the_same_model(loaded: LoadedModel, tmp_path: Path) -> None:
+    from_gguf = load_model(write_qwen3_gguf(tmp_path / "qwen3.gguf", loaded.state_dict), use_cache=False)
+    c = from_gguf.config
+    assert (c.architecture, c.qk_norm, c.head_dim, c.attention_bias) == ("qwen3", True, 48, False)
+    assert set(from_gguf.state_dict) == set(loaded.state_dict)
+    for name, tensor in loaded.state_dict.items():  # not permuted: llama.cpp permutes llama q/k only
+        assert torch.equal(from_gguf.state_dict[name], tensor), name
+    ours = model_logits(c, from_gguf.state_dict, PROMPT)
+    assert torch.equal(ours, model_logits(loaded.config, loaded.state_dict, PROMPT))

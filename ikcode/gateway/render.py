@@ -112,7 +112,6 @@ class Renderer:
         template = chat_template or getattr(tokenizer, "chat_template", None)
         self.format = chat_format or derive_chat_format(tokenizer, template)
         self.tool_format = tool_format or tool_format_for(template)
-        self._call_names: dict[str, str] = {}  # tool_use id -> name in the conversation being rendered
         self.store = store or ConversationStore()
         # Guard against tokenizers that add a BOS on every call: strip it per segment.
         self._auto = len(tokenizer.encode("", allow_special=False))
@@ -199,7 +198,7 @@ class Renderer:
             chain, fresh, count = _chain(chain, key), fresh + n, count + 1
             boundaries.append((chain, len(ids)))
         turns = _merge_assistant_turns(messages)
-        self._call_names = _call_names(turns)
+        names = _call_names(turns)
         prefill = False
         for index, (role, content) in enumerate(turns):
             last = index == len(turns) - 1
@@ -213,11 +212,13 @@ class Renderer:
                     seg, n = self._segment(
                         "assistant", key, lambda c=content: self._assistant_text(c), not last
                     )
-            elif role == "user" and (parts := self._result_parts(content)) is not None:
+            elif role == "user" and (parts := self._result_parts(content, names)) is not None:
                 key = _digest(b"results\x00" + json.dumps(parts).encode())
                 seg, n = self._marked_segment(key, parts)
             else:
-                text = self._user_text(content) if role == "user" else self._system_message_text(content)
+                text = (
+                    self._user_text(content, names) if role == "user" else self._system_message_text(content)
+                )
                 key = _digest(role.encode() + b"\x00" + text.encode())
                 seg, n = self._segment(role, key, lambda t=text: t)
             ids.extend(seg)
@@ -239,14 +240,14 @@ class Renderer:
         self.store.put_reply(rendered.reply_prefix_key, assistant_content_key(content), segment)
 
     # -- content -> text ----------------------------------------------------------------------
-    def _user_items(self, content: list[Any]) -> list[tuple[str, Any]]:
+    def _user_items(self, content: list[Any], names: dict[str, str]) -> list[tuple[str, Any]]:
         items: list[tuple[str, Any]] = []
         for block in content:
             kind = block.type
             if kind == "text":
                 items.append(("text", block.text))
             elif kind == "tool_result":
-                name = self._call_names.get(block.tool_use_id, "")
+                name = names.get(block.tool_use_id, "")
                 text = self._result_text(block.content)
                 items.append(("result", ResultItem(block.tool_use_id, name, text, bool(block.is_error))))
             elif kind == "image":
@@ -258,17 +259,19 @@ class Renderer:
             # thinking blocks in a user turn carry nothing for the model
         return items
 
-    def _user_text(self, content: str | list[Any]) -> str:
+    def _user_text(self, content: str | list[Any], names: dict[str, str]) -> str:
         if isinstance(content, str):
             return content
-        return self.tool_format.user_text(self._user_items(content))
+        return self.tool_format.user_text(self._user_items(content, names))
 
-    def _result_parts(self, content: str | list[Any]) -> list[tuple[str, str, str]] | None:
+    def _result_parts(
+        self, content: str | list[Any], names: dict[str, str]
+    ) -> list[tuple[str, str, str]] | None:
         """A user message with tool results, when the format gives results their own turns:
         (prefix, body, suffix) texts, None for the user's markers. None: a plain user turn."""
         if isinstance(content, str) or not any(block.type == "tool_result" for block in content):
             return None
-        items = self._user_items(content)
+        items = self._user_items(content, names)
         results = [value for kind, value in items if kind == "result"]
         turns = self.tool_format.result_turns(results)
         if turns is None:

@@ -133,9 +133,8 @@ class ObjectScanner:
             if self._nested is not None:
                 members, _ = self._nested.feed(ch)
                 out += [("arg", key, value) for _, key, value in members]
-                if self._nested.state == "done":
-                    self._nested = None
-                    self._member = ['""', ":", "null"]  # the member is consumed; keep the scanner's shape
+                if self._nested.state == "done":  # the member ends at the next "," or "}"
+                    self._nested, self._member = None, []
                 continue
             if self._awaiting_value_of is not None and not ch.isspace():
                 key, self._awaiting_value_of = self._awaiting_value_of, None

@@ -75,9 +75,7 @@ class TaggedCallParser:
 
     def _close(self, closed: bool) -> list[ParseEvent]:
         assert self._body is not None
-        events = self._body.close(closed)
-        body, self._body = self._body, None
-        del body
+        events, self._body = self._body.close(closed), None
         if events is not None:
             return events
         return [TextPiece(self.open_marker + self._raw + (self.close_marker if closed else ""))]

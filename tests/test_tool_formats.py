@@ -274,13 +274,42 @@ def test_round_trip(case: Case) -> None:
     assert call_back in prompt and result_back in prompt
 
 
-def test_whole_prompt_matches_the_template_for_qwen3() -> None:
-    """For ChatML families the gateway's prompt is the template's, byte for byte."""
-    for case in CASES[:2]:
-        template = load_template(case.template)
-        tools = callable_tools(MessagesRequest.model_validate(anthropic_request(PAST_INPUT)).tools)
-        theirs = render_template(template, openai_messages(case, PAST_INPUT), tools)
-        assert ours(case, anthropic_request(PAST_INPUT)) == theirs, case.name
+def two_calls_request() -> tuple[dict, list[dict]]:
+    """Text and two calls in one turn, both results in the next: Anthropic shape, template shape."""
+    request = anthropic_request(PAST_INPUT)
+    request["messages"][1]["content"] = [
+        {"type": "text", "text": "I will read both."},
+        {"type": "tool_use", "id": "toolu_a", "name": "Read", "input": {"path": "a.py"}},
+        {"type": "tool_use", "id": "toolu_b", "name": "Read", "input": {"path": "b.py", "limit": 3}},
+    ]
+    request["messages"][2]["content"] = [
+        {"type": "tool_result", "tool_use_id": "toolu_a", "content": "A"},
+        {"type": "tool_result", "tool_use_id": "toolu_b", "content": [{"type": "text", "text": "B"}]},
+    ]
+    calls = [{"path": "a.py"}, {"path": "b.py", "limit": 3}]
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Read src/a.py"},
+        {
+            "role": "assistant",
+            "content": "I will read both.",
+            "tool_calls": [{"type": "function", "function": {"name": "Read", "arguments": a}} for a in calls],
+        },
+        {"role": "tool", "content": "A"},
+        {"role": "tool", "content": "B"},
+    ]
+    return request, messages
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=lambda c: c.name)
+def test_whole_prompt_matches_the_template_for_qwen3(case: Case) -> None:
+    """For the ChatML families the gateway's prompt is the template's, byte for byte."""
+    template = load_template(case.template)
+    tools = callable_tools(MessagesRequest.model_validate(anthropic_request(PAST_INPUT)).tools)
+    theirs = render_template(template, openai_messages(case, PAST_INPUT), tools)
+    assert ours(case, anthropic_request(PAST_INPUT)) == theirs
+    request, messages = two_calls_request()
+    assert ours(case, request) == render_template(template, messages, tools)
 
 
 @pytest.mark.parametrize(

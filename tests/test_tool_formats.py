@@ -74,7 +74,7 @@ def render_template(template: str, messages: list[dict], tools: list[dict] | Non
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime(2024, 7, 26).strftime(fmt)
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # as the probe dates it
     return env.from_string(template).render(
         messages=messages, tools=tools, add_generation_prompt=True, **extra
     )
@@ -367,4 +367,24 @@ def test_role_markers_probed_from_real_templates(template, bos, eos, user, assis
         user,
         assistant,
         assistant_end,
+    )
+
+
+def test_whole_prompt_matches_the_template_for_llama3_json() -> None:
+    """Role markers probed from the template, the format detected from it: byte for byte."""
+    case = next(c for c in CASES if c.name == "llama3_json")
+    template = load_template(case.template)
+    bos = case.template_extra["bos_token"]
+    specials = ("<|endoftext|>", *case.specials, *case.role_specials)
+    tokenizer = Tokenizer.from_vocab(
+        special_tokens=specials, eos_tokens=("<|eot_id|>",), chat_template=template
+    )
+    tokenizer.bos_token_id = tokenizer.token_to_id(bos)
+    renderer = Renderer(tokenizer)
+    assert (renderer.format.name, renderer.tool_format.name) == ("probed", "llama3_json")
+    body = MessagesRequest.model_validate(anthropic_request(PAST_INPUT))
+    ids = renderer.render(body.system, body.tools, body.tool_choice, body.messages).token_ids
+    tools = callable_tools(body.tools)
+    assert tokenizer.decode(ids) == render_template(
+        template, openai_messages(case, PAST_INPUT), tools, **case.template_extra
     )

@@ -186,12 +186,20 @@ class Renderer:
         boundaries: list[tuple[bytes, int]] = []
         sys_text = system_text(system)
         specs = callable_tools(tools or [])
+        sys_prefix = self.format.prefix["system"]
         if specs:
             tools_text = self.tool_format.tools_text(specs)
             if choice := choice_text(tool_choice):
                 tools_text += "\n\n" + choice
             sys_text = self.tool_format.system_text(sys_text, tools_text)
-        if sys_text:
+            sys_prefix = self.tool_format.system_prefix(sys_prefix)
+        if sys_text and sys_prefix != self.format.prefix["system"]:
+            key = _digest(b"system\x00" + sys_prefix.encode() + b"\x00" + sys_text.encode())
+            seg, n = self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
+            ids.extend(seg)
+            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
+            boundaries.append((chain, len(ids)))
+        elif sys_text:
             key = _digest(b"system\x00" + sys_text.encode())
             seg, n = self._segment("system", key, lambda: sys_text)
             ids.extend(seg)

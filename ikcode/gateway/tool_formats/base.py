@@ -123,6 +123,10 @@ class ToolFormat:
         in a user turn: (markers, body) each. None: they go in the user turn (user_text)."""
         return None
 
+    def system_prefix(self, prefix: str) -> str:
+        """The system turn's opening (role markers) when there are tools."""
+        return prefix
+
     def system_text(self, system: str, tools_text: str) -> str:
         """The system turn's text with the tool list."""
         return f"{system}\n\n{tools_text}" if system else tools_text

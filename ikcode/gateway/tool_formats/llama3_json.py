@@ -5,9 +5,8 @@ the tag (:49) or with "{" (:122-123), several calls separated by ";" (:82), the 
 "parameters" or "arguments" (:95-97). Tool list, call and result text as the Llama 3.1 JSON tool
 template writes them (tests/data/chat_templates/llama3_1_json.jinja), with the tools in the system
 turn (the template's `tools_in_user_message=false` layout): the first user message changes every
-conversation, so tools there could not be shared by the prefix cache. The template also starts
-the system turn with "Environment: ipython" when there are tools; the role markers, probed
-without tools, do not.
+conversation, so tools there could not be shared by the prefix cache. With tools, the system
+turn starts "Environment: ipython" as in the template (the role markers are probed without).
 """
 
 from __future__ import annotations
@@ -104,6 +103,11 @@ class Llama3JsonFormat(ToolFormat):
         return TOOLS_INTRO + "".join(
             json.dumps(tool, ensure_ascii=False, indent=4) + "\n\n" for tool in tools
         )
+
+    def system_prefix(self, prefix: str) -> str:
+        # The template's system turn starts "Environment: ipython" when there are tools.
+        header = "<|start_header_id|>system<|end_header_id|>\n\n"
+        return prefix.replace(header, header + "Environment: ipython\n", 1)
 
     def system_text(self, system: str, tools_text: str) -> str:
         return tools_text + system  # the template: the tools, then the system message

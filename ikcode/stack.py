@@ -129,6 +129,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
         bind_loopback=is_loopback(host),
         request_log_path=daemon.request_log_file(),
         default_temperature=profile.model.default_temperature,
+        tool_format=profile.model.tool_format,
     )
 
 

@@ -63,7 +63,7 @@ def settings_command(profile_ref: str | None, base_url: str | None, action: str,
             return
         if action == "remove":
             path = claude_settings.scope_path(scope, project)
-            backup, removed = claude_settings.remove_env_block(path, mapping.names)
+            backup, removed = claude_settings.remove_env_block(path, mapping.names, mapping.model_overrides)
             click.echo(
                 f"removed {len(removed)} variables from {path}" if removed else f"nothing to remove in {path}"
             )

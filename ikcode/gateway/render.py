@@ -9,7 +9,14 @@ generated ids the store keeps, keyed by the chain digest before it and its echoe
 
 What is stripped or ignored, on purpose: the `x-anthropic-billing-header` system line (it differs
 per conversation and would keep the long system prompt out of the shared cache) and
-`cache_control` markers (they move every turn). Mid-conversation system messages stay in place.
+`cache_control` markers (they move every turn). Mid-conversation system messages stay in place,
+and render the same whether sent as a string or as text blocks (Claude Code sends the newest one
+as blocks carrying the cache marker, and the same text as a string in later requests).
+
+Deferred tools (`defer_loading: true`) stay out of the tools section: the client lists them by
+name and loads one through its ToolSearch tool, whose tool_result holds a `tool_reference` block.
+The tool's definition is rendered there, in the conversation, so loading a tool appends to the
+prompt instead of changing its start (which would miss the cache for the whole conversation).
 """
 
 from __future__ import annotations
@@ -173,7 +180,8 @@ class Renderer:
         chain, fresh, count = _ROOT, 0, 0
         boundaries: list[tuple[bytes, int]] = []
         sys_text = system_text(system)
-        tools_text = tools_section(tools or [], tool_choice)
+        deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
+        tools_text = tools_section([t for t in tools or [] if t.name not in deferred], tool_choice)
         if tools_text:
             sys_text = f"{sys_text}\n\n{tools_text}" if sys_text else tools_text
         if sys_text:
@@ -197,7 +205,10 @@ class Renderer:
                         "assistant", key, lambda c=content: self._assistant_text(c), not last
                     )
             else:
-                text = self._user_text(content) if role == "user" else self._system_message_text(content)
+                if role == "user":
+                    text = self._user_text(content, deferred)
+                else:
+                    text = self._system_message_text(content)
                 key = _digest(role.encode() + b"\x00" + text.encode())
                 seg, n = self._segment(role, key, lambda t=text: t)
             ids.extend(seg)
@@ -219,7 +230,7 @@ class Renderer:
         self.store.put_reply(rendered.reply_prefix_key, assistant_content_key(content), segment)
 
     # -- content -> text ----------------------------------------------------------------------
-    def _user_text(self, content: str | list[Any]) -> str:
+    def _user_text(self, content: str | list[Any], deferred: dict[str, Any]) -> str:
         if isinstance(content, str):
             return content
         parts = []
@@ -228,7 +239,8 @@ class Renderer:
             if kind == "text":
                 parts.append(block.text)
             elif kind == "tool_result":
-                parts.append(tool_response_text(self._result_text(block.content), bool(block.is_error)))
+                result = self._result_text(block.content, deferred)
+                parts.append(tool_response_text(result, bool(block.is_error)))
             elif kind == "image":
                 raise invalid_request("image content is not supported: the served model reads text only")
             elif kind == "document":
@@ -238,11 +250,16 @@ class Renderer:
             # thinking blocks in a user turn carry nothing for the model
         return "\n".join(parts)
 
-    def _result_text(self, content: str | list[Any] | None) -> str:
+    def _result_text(self, content: str | list[Any] | None, deferred: dict[str, Any]) -> str:
         if content is None or isinstance(content, str):
             return content or ""
         parts = []
+        references = [block.tool_name for block in content if block.type == "tool_reference"]
+        if references:
+            parts.append(loaded_tools_text(references, deferred))
         for block in content:
+            if block.type == "tool_reference":
+                continue
             if block.type == "text":
                 parts.append(block.text)
             elif block.type == "image":  # e.g. Read on a picture: refusing would wedge the session
@@ -271,6 +288,24 @@ class Renderer:
             elif kind in ("tool_result", "image", "document"):
                 raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
         return "\n".join(parts)
+
+
+def loaded_tools_text(names: list[str], deferred: dict[str, Any]) -> str:
+    """Deferred tools loaded by a tool search, as its description promises the model: one
+    <function>{"description", "name", "parameters"}</function> line each inside <functions>."""
+    lines = []
+    for name in names:
+        tool = deferred.get(name)
+        if tool is None:  # not among this request's tools: the name is all there is to show
+            definition: dict[str, Any] = {"name": name}
+        else:
+            definition = {
+                "description": tool.description or "",
+                "name": name,
+                "parameters": tool.input_schema,
+            }
+        lines.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
+    return "<functions>\n" + "\n".join(lines) + "\n</functions>"
 
 
 def _document_text(block: Any) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ikcode.launcher.rolemap import Mapping
+from ikcode.launcher.statusline import statusline_setting
 
 SECRET_VARS = ("ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY")
 
@@ -77,8 +78,12 @@ def _write(path: Path, data: dict) -> Path | None:
     return backup
 
 
-def write_env_block(path: Path, mapping: Mapping) -> tuple[Path | None, list[str]]:
-    """Merge the mapping into path's env block, keeping every other key. Returns (backup, removed)."""
+def write_env_block(
+    path: Path, mapping: Mapping, statusline_command: str | None = None
+) -> tuple[Path | None, list[str]]:
+    """Merge the mapping into path's env block, keeping every other key. Returns (backup, removed).
+
+    With a statusline_command, Claude Code's `statusLine` runs it (replacing the file's own)."""
     data = read_settings(path)
     env = dict(data.get("env", {}))
     removed = [name for name in mapping.unset if name in env]
@@ -92,6 +97,8 @@ def write_env_block(path: Path, mapping: Mapping) -> tuple[Path | None, list[str
             **(overrides if isinstance(overrides, dict) else {}),
             **mapping.model_overrides,
         }
+    if statusline_command:
+        data["statusLine"] = statusline_setting(statusline_command)
     return _write(path, data), removed
 
 

@@ -22,6 +22,7 @@ from ikcode.launcher.rolemap import claude_env
 from tests.recorder import Recorder, canned_stream, tool_use_stream
 
 SERVED = "smollm2-135m-instruct"
+OWN_VARS = ("ANTHROPIC_", "CLAUDE")  # the user's own client settings stay out
 OUT = Path(__file__).with_name("claude-session.json")
 PROJECT = "/home/user/project"
 TURNS = (["-p", "Load the web fetch tool, then read hello.txt."], ["-p", "And again?", "--continue"])

@@ -14,7 +14,7 @@ if ! command -v zsh >/dev/null || ! command -v fish >/dev/null; then
 fi
 
 # The real Claude Code client, pinned, in a project-local folder (no global install needed).
-claude_version="${IKCODE_CLAUDE_VERSION:-2.1.197}"
+claude_version="${IKCODE_CLAUDE_VERSION:-2.1.332}"
 claude_dir="$PWD/.tools/claude-code"
 if command -v npm >/dev/null 2>&1; then
   if [ ! -x "$claude_dir/node_modules/.bin/claude" ] ||

@@ -9,7 +9,14 @@ generated ids the store keeps, keyed by the chain digest before it and its echoe
 
 What is stripped or ignored, on purpose: the `x-anthropic-billing-header` system line (it differs
 per conversation and would keep the long system prompt out of the shared cache) and
-`cache_control` markers (they move every turn). Mid-conversation system messages stay in place.
+`cache_control` markers (they move every turn). Mid-conversation system messages stay in place,
+and render the same whether sent as a string or as text blocks (Claude Code sends the newest one
+as blocks carrying the cache marker, and the same text as a string in later requests).
+
+Deferred tools (`defer_loading: true`) stay out of the tools section: the client lists them by
+name and loads one through its ToolSearch tool, whose tool_result holds a `tool_reference` block.
+The tool's definition is rendered there, in the conversation, so loading a tool appends to the
+prompt instead of changing its start (which would miss the cache for the whole conversation).
 """
 
 from __future__ import annotations
@@ -185,10 +192,12 @@ class Renderer:
         chain, fresh, count = _ROOT, 0, 0
         boundaries: list[tuple[bytes, int]] = []
         sys_text = system_text(system)
-        specs = callable_tools(tools or [])
+        deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
+        specs = callable_tools(tools or [])  # all of them for the reply's parser: a loaded one may be called
+        listed = [spec for spec in specs if spec["function"]["name"] not in deferred]
         sys_prefix = self.format.prefix["system"]
-        if specs:
-            tools_text = self.tool_format.tools_text(specs)
+        if listed:
+            tools_text = self.tool_format.tools_text(listed)
             if choice := choice_text(tool_choice):
                 tools_text += "\n\n" + choice
             sys_text = self.tool_format.system_text(sys_text, tools_text)
@@ -220,13 +229,14 @@ class Renderer:
                     seg, n = self._segment(
                         "assistant", key, lambda c=content: self._assistant_text(c), not last
                     )
-            elif role == "user" and (parts := self._result_parts(content, names)) is not None:
+            elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
                 key = _digest(b"results\x00" + json.dumps(parts).encode())
                 seg, n = self._marked_segment(key, parts)
             else:
-                text = (
-                    self._user_text(content, names) if role == "user" else self._system_message_text(content)
-                )
+                if role == "user":
+                    text = self._user_text(content, names, deferred)
+                else:
+                    text = self._system_message_text(content)
                 key = _digest(role.encode() + b"\x00" + text.encode())
                 seg, n = self._segment(role, key, lambda t=text: t)
             ids.extend(seg)
@@ -248,7 +258,9 @@ class Renderer:
         self.store.put_reply(rendered.reply_prefix_key, assistant_content_key(content), segment)
 
     # -- content -> text ----------------------------------------------------------------------
-    def _user_items(self, content: list[Any], names: dict[str, str]) -> list[tuple[str, Any]]:
+    def _user_items(
+        self, content: list[Any], names: dict[str, str], deferred: dict[str, Any]
+    ) -> list[tuple[str, Any]]:
         items: list[tuple[str, Any]] = []
         for block in content:
             kind = block.type
@@ -256,7 +268,7 @@ class Renderer:
                 items.append(("text", block.text))
             elif kind == "tool_result":
                 name = names.get(block.tool_use_id, "")
-                text = self._result_text(block.content)
+                text = self._result_text(block.content, deferred)
                 items.append(("result", ResultItem(block.tool_use_id, name, text, bool(block.is_error))))
             elif kind == "image":
                 raise invalid_request("image content is not supported: the served model reads text only")
@@ -267,19 +279,19 @@ class Renderer:
             # thinking blocks in a user turn carry nothing for the model
         return items
 
-    def _user_text(self, content: str | list[Any], names: dict[str, str]) -> str:
+    def _user_text(self, content: str | list[Any], names: dict[str, str], deferred: dict[str, Any]) -> str:
         if isinstance(content, str):
             return content
-        return self.tool_format.user_text(self._user_items(content, names))
+        return self.tool_format.user_text(self._user_items(content, names, deferred))
 
     def _result_parts(
-        self, content: str | list[Any], names: dict[str, str]
+        self, content: str | list[Any], names: dict[str, str], deferred: dict[str, Any]
     ) -> list[tuple[str, str, str]] | None:
         """A user message with tool results, when the format gives results their own turns:
         (prefix, body, suffix) texts, None for the user's markers. None: a plain user turn."""
         if isinstance(content, str) or not any(block.type == "tool_result" for block in content):
             return None
-        items = self._user_items(content, names)
+        items = self._user_items(content, names, deferred)
         results = [value for kind, value in items if kind == "result"]
         turns = self.tool_format.result_turns(results)
         if turns is None:
@@ -303,11 +315,16 @@ class Renderer:
         self.store.put_segment(key, ids)
         return ids, fresh
 
-    def _result_text(self, content: str | list[Any] | None) -> str:
+    def _result_text(self, content: str | list[Any] | None, deferred: dict[str, Any]) -> str:
         if content is None or isinstance(content, str):
             return content or ""
         parts = []
+        references = [block.tool_name for block in content if block.type == "tool_reference"]
+        if references:
+            parts.append(loaded_tools_text(references, deferred))
         for block in content:
+            if block.type == "tool_reference":
+                continue
             if block.type == "text":
                 parts.append(block.text)
             elif block.type == "image":  # e.g. Read on a picture: refusing would wedge the session
@@ -336,6 +353,24 @@ class Renderer:
             elif kind in ("tool_result", "image", "document"):
                 raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
         return self.tool_format.assistant_text(items)
+
+
+def loaded_tools_text(names: list[str], deferred: dict[str, Any]) -> str:
+    """Deferred tools loaded by a tool search, as its description promises the model: one
+    <function>{"description", "name", "parameters"}</function> line each inside <functions>."""
+    lines = []
+    for name in names:
+        tool = deferred.get(name)
+        if tool is None:  # not among this request's tools: the name is all there is to show
+            definition: dict[str, Any] = {"name": name}
+        else:
+            definition = {
+                "description": tool.description or "",
+                "name": name,
+                "parameters": tool.input_schema,
+            }
+        lines.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
+    return "<functions>\n" + "\n".join(lines) + "\n</functions>"
 
 
 def _document_text(block: Any) -> str:

@@ -1,0 +1,210 @@
+"""SimRank: one DeepInfer data-parallel rank in virtual time: its own KV memory, queues and work.
+
+Memory is the real ikcode PrefixCache over the rank's own KV blocks (the card's memory less its
+share of the weights). A request holds blocks for its whole prompt and output from allocation
+to release, as DeepInfer allocates a sequence's blocks before its prefill
+(`_can_allocate_with_state(seq->get_num_blocks())`, scheduler.hpp:386); a head that does not fit
+waits and everything behind it waits too (`LATER -> break`, scheduler.hpp:387-388). The block
+reserve kept free below the 90% watermark (scheduler.hpp:80, 313) is left to decode growth, so a
+running sequence is never preempted here (the recompute path, scheduler.hpp:766-790, is counted
+should it ever be needed: `preempted`).
+
+What differs by policy is what runs live:
+- `host_tier`: ikcode's cache demotes every evicted block to host RAM and reloads it over this
+  card's PCIe link (rank_cache.evict_for / RankCache.admit). The published baseline's host tier
+  rescued only idle sessions; an agent's conversation is busy until the agent leaves it, and a
+  conversation left never returns, so its rescues never serve a turn: off.
+- `copy_device_hits`: ikcode's adapter copies a GPU-tier hit into the sequence's own blocks and
+  keeps the cached copy pinned until release (RankCache.admit): such a turn holds its prefix twice.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ikcode.cache import PrefixCache
+
+from .hardware import HardwareModel
+
+KEY_SPACE = 1 << 24  # blocks per conversation in the synthetic key space
+
+
+@dataclass(eq=False)
+class SimRequest:
+    request_id: str
+    conversation: int  # keys of block i: conversation * KEY_SPACE + i (append-only, so chained)
+    prompt_tokens: int
+    output_tokens: int
+    arrived_at: float
+    session_id: str | None = None
+    rank: int = -1
+    cached_device: int = 0
+    cached_host: int = 0
+    computed: int = 0
+    remaining: int = 0  # prompt tokens still to prefill
+    copied: bool = False  # holds a second copy of its device hit (see copy_device_hits)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    failed: str = ""
+    on_first_token: Callable[[SimRequest], None] | None = None
+    on_finished: Callable[[SimRequest], None] | None = None
+
+    def keys(self, blocks: int) -> list[int]:
+        base = self.conversation * KEY_SPACE
+        return list(range(base, base + blocks))
+
+
+class SimRank:
+    def __init__(
+        self,
+        index: int,
+        hw: HardwareModel,
+        block_size: int,
+        *,
+        host_tier: bool,
+        copy_device_hits: bool,
+        cache_policy: str,
+        clock: Callable[[], float],
+    ):
+        self.index = index
+        self.hw = hw
+        self.block_size = block_size
+        self.total_blocks = max(1, hw.kv_tokens_per_card // block_size)
+        self.reserve_blocks = math.ceil((1.0 - hw.prefill_watermark) * self.total_blocks)
+        host_blocks = hw.host_tier_tokens // hw.cards // block_size if host_tier else 0
+        self.cache = PrefixCache(
+            self.total_blocks,
+            block_size,
+            host_blocks,
+            policy=cache_policy,
+            bytes_per_block=hw.kv_bytes_per_token * block_size,
+            clock=clock,
+        )
+        self.copy_device_hits = copy_device_hits
+        self.pending: deque[SimRequest] = deque()  # routed here, no blocks yet
+        self.waiting: deque[SimRequest] = deque()  # allocated, prefill not finished (FCFS)
+        self.decoding: list[tuple[int, int, SimRequest]] = []  # (last decode step, order, request)
+        self.context_tokens = 0  # tokens the decode batch attends to
+        self.copy_s = 0.0  # PCIe copies the engine thread does before its next step
+        self.copied_tokens = 0
+        self.preempted = 0
+        self._order = 0
+
+    # ---- memory --------------------------------------------------------------------------------
+    def used_blocks(self) -> int:
+        """Blocks referenced by sequences (cached, unreferenced ones can be evicted)."""
+        return self.total_blocks - self.cache.num_free_blocks()
+
+    def usage(self) -> float:
+        return self.used_blocks() / self.total_blocks
+
+    def num_active(self) -> int:
+        return len(self.pending) + len(self.waiting) + len(self.decoding)
+
+    def blocks_needed(self, req: SimRequest) -> int:
+        return -(-(req.prompt_tokens + req.output_tokens) // self.block_size)
+
+    def allocate_pending(self) -> list[SimRequest]:
+        """Allocate the pending queue's head while it fits (first come, first served). Returns
+        requests that can never fit (more than the whole rank holds): they fail."""
+        never: list[SimRequest] = []
+        while self.pending:
+            req = self.pending[0]
+            need = self.blocks_needed(req)
+            keys = req.keys(req.prompt_tokens // self.block_size)
+            match = self.cache.match(keys)
+            hits = min(match.device_blocks, need)
+            copy = hits if self.copy_device_hits else 0
+            fresh = need - hits + copy
+            if fresh + self.reserve_blocks > self._available(keys[:hits]):
+                if not self.waiting and not self.decoding and need + copy > self.total_blocks:
+                    never.append(self.pending.popleft())
+                    continue
+                break
+            self.pending.popleft()
+            self._allocate(req, keys, need, copy)
+        return never
+
+    def _available(self, hit_keys: list[int]) -> int:
+        """Free or evictable blocks once this request's own device hits are pinned."""
+        pool = self.cache.pool
+        idle_hits = sum(1 for k in hit_keys if pool.refcount[pool.index[k]] == 0)
+        return self.cache.num_free_blocks() - idle_hits
+
+    def _allocate(self, req: SimRequest, keys: list[int], need: int, copy: int) -> None:
+        stats = self.cache.stats
+        moved_before = stats.promoted_blocks + stats.demoted_blocks
+        alloc = self.cache.allocate(
+            req.request_id, keys, need, session_id=req.session_id, num_tokens=req.prompt_tokens
+        )
+        if copy:
+            self.cache.allocate(req.request_id + "#copy", [], copy)
+            req.copied = True
+        moved = stats.promoted_blocks + stats.demoted_blocks - moved_before
+        if moved:
+            self.copy_s += self.hw.copy_seconds(moved * self.block_size)
+            self.copied_tokens += moved * self.block_size
+        bs = self.block_size
+        cached = min(req.prompt_tokens - 1, alloc.cached_blocks * bs)
+        req.cached_device = min(cached, alloc.cached_blocks_device * bs)
+        req.cached_host = cached - req.cached_device
+        req.computed = req.prompt_tokens - cached
+        req.remaining = req.computed
+        self.waiting.append(req)
+
+    # ---- the engine's steps ----------------------------------------------------------------------
+    def wants_prefill(self) -> bool:
+        """The rank's vote (scheduler.hpp:313): work waiting and block usage under the watermark."""
+        return bool(self.waiting) and self.usage() <= self.hw.prefill_watermark
+
+    def prefill(self) -> tuple[float, list[SimRequest]]:
+        """One prefill step: FCFS up to max_num_batched_tokens; a prompt cut by the budget ends the
+        step (scheduler.hpp:466-471, 532). Returns (seconds, requests whose prefill finished)."""
+        budget = self.hw.max_num_batched_tokens
+        done: list[SimRequest] = []
+        tokens = 0
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            take = min(req.remaining, budget)
+            req.remaining -= take
+            tokens += take
+            budget -= take
+            if req.remaining > 0:
+                break
+            done.append(self.waiting.popleft())
+        return self.hw.prefill_seconds(tokens), done
+
+    def start_decode(self, req: SimRequest, decode_steps: int) -> None:
+        self._order += 1
+        self.context_tokens += req.prompt_tokens
+        heapq.heappush(self.decoding, (decode_steps + req.output_tokens - 1, self._order, req))
+
+    def decode_seconds(self) -> float:
+        return self.hw.decode_step_seconds(self.context_tokens)
+
+    def next_finish(self) -> int | None:
+        return self.decoding[0][0] if self.decoding else None
+
+    def finished(self, decode_steps: int) -> list[SimRequest]:
+        out: list[SimRequest] = []
+        while self.decoding and self.decoding[0][0] <= decode_steps:
+            req = heapq.heappop(self.decoding)[2]
+            self.context_tokens -= req.prompt_tokens
+            self.release(req)
+            out.append(req)
+        return out
+
+    def release(self, req: SimRequest) -> None:
+        """The engine frees the sequence: commit its full blocks, drop the extra copy."""
+        total = req.prompt_tokens + req.output_tokens
+        self.cache.release(req.request_id, req.keys(total // self.block_size), session_id=req.session_id)
+        if req.copied:
+            self.cache.release(req.request_id + "#copy", [])
+
+    def take_copy_seconds(self) -> float:
+        seconds, self.copy_s = self.copy_s, 0.0
+        return seconds

@@ -73,7 +73,7 @@ def test_ranks_step_in_lockstep_and_a_short_prompt_waits_for_the_long_one():
 
 def test_prefill_waits_for_the_engines_vote():
     """One rank with work of four: prefill runs at the first ANY point (100 decode steps), not
-    at once (scheduler.hpp:295-330)."""
+    at once (scheduler.hpp:306-336)."""
     hw = small_cards(cards=4)
     server = SimulatedServer(hw, AdmissionConfig(policy="fifo"), block_size=2048)
     req = SimRequest("r", 1, 4_096, 2, 0.0, session_id="a")

@@ -4,10 +4,12 @@ Memory is the real ikcode PrefixCache over the rank's own KV blocks (the card's 
 share of the weights). A request holds blocks for its whole prompt and output from allocation
 to release, as DeepInfer allocates a sequence's blocks before its prefill
 (`_can_allocate_with_state(seq->get_num_blocks())`, scheduler.hpp:386); a head that does not fit
-waits and everything behind it waits too (`LATER -> break`, scheduler.hpp:387-388). The block
-reserve kept free below the 90% watermark (scheduler.hpp:80, 313) is left to decode growth, so a
-running sequence is never preempted here (the recompute path, scheduler.hpp:766-790, is counted
-should it ever be needed: `preempted`).
+waits and everything behind it waits too (`LATER -> break`, scheduler.hpp:387-388). Allocation
+leaves the block reserve above the 90% watermark (scheduler.hpp:80, 313) free, as the adapter's
+evict_for(blocks + reserve) does before try_allocate_seq, and a sequence's output blocks are
+counted from the start, so decode never runs out of blocks: the preemption path
+(scheduler.hpp:766-790, which with EngineArgs' default stop_preempted_request=True,
+arg_utils.py:40, ends the request) is not reached, as the published runs' zero failures say.
 
 What differs by policy is what runs live:
 - `host_tier`: ikcode's cache demotes every evicted block to host RAM and reloads it over this
@@ -91,7 +93,6 @@ class SimRank:
         self.context_tokens = 0  # tokens the decode batch attends to
         self.copy_s = 0.0  # PCIe copies the engine thread does before its next step
         self.copied_tokens = 0
-        self.preempted = 0
         self._order = 0
 
     # ---- memory --------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class SimRank:
 
     def prefill(self) -> tuple[float, list[SimRequest]]:
         """One prefill step: FCFS up to max_num_batched_tokens; a prompt cut by the budget ends the
-        step (scheduler.hpp:466-471, 532). Returns (seconds, requests whose prefill finished)."""
+        step (scheduler.hpp:469-473, 543-545). Returns (seconds, requests whose prefill finished)."""
         budget = self.hw.max_num_batched_tokens
         done: list[SimRequest] = []
         tokens = 0

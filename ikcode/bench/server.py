@@ -9,7 +9,7 @@ What runs here is what runs live, as code or as the engine does it:
 - the engine's own step decisions (DeepInfer 0.1.0, csrc/engine/scheduler.hpp): every rank steps in
   lockstep and a step is prefill or decode for all of them. Prefill is tried after every
   `prefill_attempt_interval` decode steps when ALL ranks want it and after every
-  `prefill_any_attempt_interval` when ANY does (scheduler.hpp:295-330); a rank wants it when it
+  `prefill_any_attempt_interval` when ANY does (scheduler.hpp:306-336); a rank wants it when it
   has work waiting and its block usage is at most 90% (scheduler.hpp:80, 313). A step lasts as
   long as its slowest rank, plus the PCIe copies each rank's engine thread made before it.
 
@@ -150,7 +150,7 @@ class SimulatedServer:
 
     # ---- one step --------------------------------------------------------------------------
     def _vote(self) -> bool:
-        """Whether the next step is a prefill step (scheduler.hpp:295-330)."""
+        """Whether the next step is a prefill step (scheduler.hpp:306-336)."""
         hw, d = self.hw, self.since_prefill
         wants = [r.wants_prefill() for r in self.ranks]
         any_point = d != 0 and d % hw.prefill_any_attempt_interval == 0

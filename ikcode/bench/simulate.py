@@ -120,7 +120,6 @@ def run_simulation(
             "rank": r.index,
             "kv_blocks": r.total_blocks,
             "copied_tokens": r.copied_tokens,
-            "preempted": r.preempted,
         }
         for r in server.ranks
     ]

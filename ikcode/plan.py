@@ -101,3 +101,28 @@ def plan(hw: HardwareModel, context_tokens: int, agents: int, load: PlanLoad | N
         "status": status,
         "verdict": VERDICT,
     }
+
+
+def simulate_limit(
+    hw: HardwareModel, context_tokens: int, limit: int, admission: Any, block_size: int = 2048
+) -> list[dict[str, Any]]:
+    """The simulator at plan's limit, 10% under it and 25% past it: where turns start waiting."""
+    from ikcode.bench.simulate import run_simulation
+    from ikcode.bench.workload import AgentsWorkload
+
+    rows = []
+    for agents in sorted({max(1, int(limit * 0.9)), limit, int(limit * 1.25)}):
+        report = run_simulation(
+            hw, admission, AgentsWorkload(agents=agents, context_tokens=context_tokens), block_size
+        )
+        rows.append(
+            {
+                "agents": agents,
+                "policy": admission.policy,
+                "p50": report["ttft"]["p50"],
+                "p95": report["ttft"]["p95"],
+                "cached_token_share": report["cached_token_share"],
+                "failed": report["failed"],
+            }
+        )
+    return rows

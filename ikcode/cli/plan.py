@@ -24,8 +24,14 @@ import click
     help="Tokens per conversation.",
 )
 @click.option("--agents", type=int, default=100, show_default=True, help="Agents working at once.")
+@click.option(
+    "--simulate",
+    "check",
+    is_flag=True,
+    help="Also run the simulator (fifo) at the limit, 10% under and 25% past it.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan_command(profile_name: str, context_tokens: int, agents: int, as_json: bool) -> None:
+def plan_command(profile_name: str, context_tokens: int, agents: int, check: bool, as_json: bool) -> None:
     """Whether AGENTS agents of CONTEXT tokens fit the GPUs, by how much, and the most that do.
 
     Example: ikcode plan --profile deepinfer-4xb200 --context 500000 --agents 200
@@ -42,6 +48,15 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, as_json: b
             raise click.ClickException(f"profile {profile.name!r} has no [hardware] table to plan with")
         hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
         result = plan(hw, context_tokens, agents)
+        if check:
+            from ikcode.admission import AdmissionConfig
+            from ikcode.plan import simulate_limit
+
+            block = int(profile.cache.get("simulate_block_size", 2048))
+            fifo = AdmissionConfig.from_dict(profile.admission, policy="fifo")
+            result["simulated"] = simulate_limit(
+                hw, context_tokens, result["max_agents_resident"], fifo, block
+            )
     except (ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:
@@ -71,4 +86,9 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, as_json: b
         f"  cold read / host reload     {result['cold_read_s']:.2f} s / {result['reload_s']:.3f} s (one card)"
     )
     console.print(f"  {result['status']}")
+    for row in result.get("simulated", []):
+        console.print(
+            f"  simulated ({row['policy']}) {row['agents']:>4} agents: median {row['p50']:.1f} s, "
+            f"p95 {row['p95']:.1f} s, {row['cached_token_share']:.0%} from cache, {row['failed']} failed"
+        )
     console.print(f"[bold]verdict:[/bold] {result['verdict']}")

@@ -115,13 +115,9 @@ class SimRank:
         never: list[SimRequest] = []
         while self.pending:
             req = self.pending[0]
-            need = self.blocks_needed(req)
-            keys = req.keys(req.prompt_tokens // self.block_size)
-            match = self.cache.match(keys)
-            hits = min(match.device_blocks, need)
+            need, hits, keys = self._need(req)
             copy = hits if self.copy_device_hits else 0
-            fresh = need - hits + copy
-            if fresh + self.reserve_blocks > self._available(keys[:hits]):
+            if self.blocks_to_take(req) + self.reserve_blocks > self.cache.num_free_blocks():
                 if not self.waiting and not self.decoding and need + copy > self.total_blocks:
                     never.append(self.pending.popleft())
                     continue
@@ -130,11 +126,21 @@ class SimRank:
             self._allocate(req, keys, need, copy)
         return never
 
-    def _available(self, hit_keys: list[int]) -> int:
-        """Free or evictable blocks once this request's own device hits are pinned."""
+    def _need(self, req: SimRequest) -> tuple[int, int, list[int]]:
+        """(blocks the sequence holds, of which device hits, its prompt's block keys)."""
+        need = self.blocks_needed(req)
+        keys = req.keys(req.prompt_tokens // self.block_size)
+        return need, min(self.cache.match(keys).device_blocks, need), keys
+
+    def blocks_to_take(self, req: SimRequest) -> int:
+        """Blocks req's allocation takes out of the free-or-evictable pool: its fresh blocks (and
+        the copy of its device hit), plus the hits no running sequence holds, which stop being
+        evictable once pinned."""
+        need, hits, keys = self._need(req)
         pool = self.cache.pool
-        idle_hits = sum(1 for k in hit_keys if pool.refcount[pool.index[k]] == 0)
-        return self.cache.num_free_blocks() - idle_hits
+        idle_hits = sum(1 for k in keys[:hits] if pool.refcount[pool.index[k]] == 0)
+        copy = hits if self.copy_device_hits else 0
+        return need - hits + copy + idle_hits
 
     def _allocate(self, req: SimRequest, keys: list[int], need: int, copy: int) -> None:
         stats = self.cache.stats

@@ -1,8 +1,9 @@
 """SimulatedServer: a data-parallel DeepInfer server in virtual time, behind ikcode's real admission.
 
 What runs here is what runs live, as code or as the engine does it:
-- admission: the live AdmissionController's policy and its memory gate (the same objects; only
-  the clock is virtual), or, for the `fifo` baseline, arrival order with no gate;
+- admission: the live AdmissionController's policy and its per-rank gate (the same objects; only
+  the clock is virtual; the engine view offers rank_loads() and placement() as a data-parallel
+  engine does, ikcode.engines.placement), or, for the `fifo` baseline, arrival order with no gate;
 - routing: the DeepInfer adapter's SessionRouter (engines/deepinfer/routing.py), fed with each
   rank's cached prefix and its live request count, as DeepInferEngine.submit does;
 - memory: one real PrefixCache per rank (SimRank);
@@ -33,6 +34,7 @@ from ikcode.engines.base import (
     RequestStats,
 )
 from ikcode.engines.deepinfer.routing import SessionRouter
+from ikcode.engines.placement import Placement
 
 from .hardware import HardwareModel
 from .rank import SimRank, SimRequest
@@ -53,12 +55,30 @@ class _EngineView:
 
     def load(self) -> EngineLoad:
         total = EngineLoad()
-        for rank in self.server.ranks:
-            total.running += len(rank.waiting) + len(rank.decoding)
-            total.waiting += len(rank.pending)
-            total.kv_blocks_total += rank.total_blocks
-            total.kv_blocks_used += rank.used_blocks()
+        for load in self.rank_loads():
+            total.running += load.running
+            total.waiting += load.waiting
+            total.kv_blocks_total += load.kv_blocks_total
+            total.kv_blocks_used += load.kv_blocks_used
         return total
+
+    def rank_loads(self) -> list[EngineLoad]:
+        """Each rank's memory as its allocation sees it: the reserve above the prefill watermark
+        is never given to a sequence (rank.allocate_pending)."""
+        return [
+            EngineLoad(
+                running=len(rank.waiting) + len(rank.decoding),
+                waiting=len(rank.pending),
+                kv_blocks_total=rank.total_blocks - rank.reserve_blocks,
+                kv_blocks_used=rank.used_blocks(),
+            )
+            for rank in self.server.ranks
+        ]
+
+    def placement(self, req: SimRequest, admitting: list[int]) -> Placement:
+        """The rank the adapter's router would pick for req now, and what its allocation takes."""
+        rank = self.server.route(req, admitting, record=False)
+        return Placement(rank, self.server.ranks[rank].blocks_to_take(req))
 
     def add_listener(self, listener: LifecycleListener) -> None:
         self.listeners.append(listener)
@@ -126,9 +146,11 @@ class SimulatedServer:
     # ---- admission and routing -------------------------------------------------------------
     def _admit(self) -> None:
         if self.policy.queue:
-            fits = self.controller._memory_gate() if self.gate else None  # noqa: SLF001 - the live gate
-            for ticket in self.policy.admit(self.now, fits):
-                self._route(ticket.payload)
+            gate = self.controller._gate() if self.gate else None  # noqa: SLF001 - the live gate
+            for ticket in self.policy.admit(self.now, gate):
+                req = ticket.payload
+                req.rank = self.route(req)
+                self.ranks[req.rank].pending.append(req)
         for rank in self.ranks:
             for req in rank.allocate_pending():
                 req.failed = (
@@ -139,14 +161,28 @@ class SimulatedServer:
                 if req.on_finished:
                     req.on_finished(req)
 
-    def _route(self, req: SimRequest) -> None:
+    def route(self, req: SimRequest, admitting: list[int] | None = None, record: bool = True) -> int:
+        """The rank DeepInferEngine.submit would give req: the adapter's SessionRouter on each
+        rank's cached prefix and live request count (plus `admitting`). record=False leaves the
+        router as it was (SessionRouter.route remembers the session's rank; admission only asks)."""
         keys = req.keys(req.prompt_tokens // self.block_size)
-        ranks = self.ranks
-        index = self.router.route(
-            req.session_id, lambda r: ranks[r].cache.match(keys).blocks, lambda r: ranks[r].num_active()
+        ranks, extra = self.ranks, admitting or [0] * len(self.ranks)
+        router = self.router
+        if not record:  # noqa: SLF001 - restore what route() writes: the session entry and counts
+            known = router._sessions.get(req.session_id) if req.session_id else None  # noqa: SLF001
+            counts = list(router._per_rank)  # noqa: SLF001
+        rank = router.route(
+            req.session_id,
+            lambda r: ranks[r].cache.match(keys).blocks,
+            lambda r: ranks[r].num_active() + extra[r],
         )
-        req.rank = index
-        ranks[index].pending.append(req)
+        if not record:
+            router._per_rank[:] = counts  # noqa: SLF001
+            if req.session_id and known is None:
+                router._sessions.pop(req.session_id, None)  # noqa: SLF001
+            elif req.session_id:
+                router._sessions[req.session_id] = known  # noqa: SLF001
+        return rank
 
     # ---- one step --------------------------------------------------------------------------
     def _vote(self) -> bool:

@@ -159,3 +159,21 @@ def test_cold_cap_is_per_rank_on_a_data_parallel_engine():
     assert {a.rank, b.rank} == {0, 1}  # one read on each card, in the same step
     assert a.first_token_at is not None and b.first_token_at is not None
     assert [t.request_id for t in server.policy.queue] == ["c"]  # both cards' slots are taken
+
+
+def test_memory_gate_is_per_rank_a_full_card_does_not_hold_back_the_other():
+    hw = replace(HardwareModel.from_dict(load_profile("deepinfer-4xb200").hardware), cards=2)
+    server = SimulatedServer(hw, AdmissionConfig(max_cold_prefills=4, shed=False))
+    big = int(hw.kv_tokens_per_card * 0.6)
+    first = SimRequest("first", 1, big, 100_000, 0.0, session_id="s")
+    server.submit(first)
+    while first.first_token_at is None:
+        server.step(float("inf"))
+    # Same session, so the same card, where it cannot fit while `first` decodes; then a new one.
+    held = SimRequest("held", 2, big, 10, server.now, session_id="s")
+    other = SimRequest("other", 3, 100_000, 10, server.now, session_id="o")
+    server.submit(held)
+    server.submit(other)
+    server.step(float("inf"))
+    assert other.rank not in (-1, first.rank)  # admitted on the other card
+    assert held.rank == -1 and [t.request_id for t in server.policy.queue] == ["held"]

@@ -28,7 +28,8 @@ import click
     "--simulate",
     "check",
     is_flag=True,
-    help="Also run the simulator (fifo) at the limit, 10% under and 25% past it.",
+    help="Also run the simulator at each limit, 10% under and 25% past it "
+    "(fifo: every session resident; ikcode: turns in flight).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 def plan_command(profile_name: str, context_tokens: int, agents: int, check: bool, as_json: bool) -> None:
@@ -53,10 +54,12 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
             from ikcode.plan import simulate_limit
 
             block = int(profile.cache.get("simulate_block_size", 2048))
+            # Each policy at its own limit: every session resident (fifo), turns in flight (ikcode).
             fifo = AdmissionConfig.from_dict(profile.admission, policy="fifo")
+            ikcode = AdmissionConfig.from_dict(profile.admission, policy="ikcode")
             result["simulated"] = simulate_limit(
                 hw, context_tokens, result["max_agents_resident"], fifo, block
-            )
+            ) + simulate_limit(hw, context_tokens, result["max_agents_at_this_size"], ikcode, block)
     except (ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:

@@ -5,7 +5,8 @@ behind the real gateway (wall clock) and inside the simulator (virtual clock).
 
 Decisions:
   offer()        classify and predict TTFT at arrival; shed a NEW session's cold request whose
-                 predicted TTFT exceeds the bound (EngineOverloaded -> 529 + retry-after);
+                 predicted TTFT exceeds the bound and that no rank can start now
+                 (EngineOverloaded -> 529 + retry-after = its predicted wait);
                  a session is deferred at most once (its retry is queued).
   admit()        which queued requests enter the engine now: warm first, aged cold ranked with
                  warm, at most max_cold_prefills cold ones prefilling at once on each rank, and

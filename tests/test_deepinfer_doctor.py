@@ -1,4 +1,5 @@
-"""`ikcode doctor` against the gateway over the DeepInfer adapter (stand-in): the adapter that
+"""`ikcode doctor` against the gateway over the DeepInfer adapter on DeepInfer's real engine core
+(two rank processes on the CPU, tests/deepinfer_build/): the adapter that
 commits in finalize_seq passes the quality gate and the silent-miss check; the variant that
 commits at the final token (the published regression) fails both, for the right reason."""
 
@@ -13,14 +14,17 @@ from ikcode.admission import AdmissionConfig, AdmissionController
 from ikcode.doctor import FAIL, FULL, PASS, QUICK, DoctorContext, run_checks
 from ikcode.gateway import BackgroundServer, GatewaySettings, create_app
 from ikcode.profiles import load_profile
-from tests.deepinfer_standin.harness import standin_engine
+from tests.deepinfer_build.harness import real_engine
 from tests.test_gateway_support import tiny_tokenizer
+
+pytestmark = pytest.mark.deepinfer
 
 CHECKS = ["endpoint", "contract", "quality_gate", "silent_miss"]
 
 
 def doctor_on_deepinfer(tmp_path, project, mode: str, **engine_config):
-    engine = standin_engine(ranks=2, num_gpu_blocks=1024, max_model_len=32768, **engine_config)
+    vocab = tiny_tokenizer().vocab_size
+    engine = real_engine(tmp_path / "di", ranks=2, blocks=2048, vocab=vocab, eos=2, **engine_config)
     controller = AdmissionController(engine, AdmissionConfig())
     controller.start()
     token = auth.load_or_create_token()

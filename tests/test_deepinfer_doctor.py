@@ -63,3 +63,14 @@ def test_doctor_catches_the_final_token_commit(tmp_path, project):
     assert gate.data["documents"][0]["match"]  # answers agree: only the cache is broken
     assert miss.status == FAIL and "the cache never hit" in miss.detail, miss.detail
     assert results["endpoint"].status == PASS and results["contract"].status == PASS
+
+
+def test_doctor_fails_when_the_engine_cannot_commit(tmp_path, project):
+    """Commits that raise inside finalize_seq are counted, not swallowed: doctor reads the count
+    from /metrics and fails, although every answer came back fine."""
+    from tests.deepinfer_build.cpu_runtime import ENV_FAIL_STATE_READ
+
+    results = doctor_on_deepinfer(tmp_path, project, QUICK, environment={ENV_FAIL_STATE_READ: "1"})
+    miss = results["silent_miss"]
+    assert miss.status == FAIL and "failed to commit" in miss.detail, miss.detail
+    assert results["endpoint"].status == PASS and results["contract"].status == PASS

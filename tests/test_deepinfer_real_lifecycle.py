@@ -120,3 +120,21 @@ def test_a_forced_preemption_is_reported_and_leaks_nothing(tmp_path):
         assert_no_leaks(wait_quiet(engine))
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_a_failed_commit_is_counted_and_logged_not_swallowed(tmp_path, capfd):
+    """The cache work in finalize_seq raises (here: reading the sliding window fails): DeepInfer
+    still frees the sequence, the answer is unaffected, and the failure shows in cache_stats
+    (/metrics: ikcode_cache_commit_failures, which `ikcode doctor` fails on)."""
+    from tests.deepinfer_build.cpu_runtime import ENV_FAIL_STATE_READ
+
+    engine = real_engine(tmp_path, environment={ENV_FAIL_STATE_READ: "1"}, prime_min_tokens=0)
+    try:
+        tokens, final = run(engine, "x", random_tokens(1000, 5), max_tokens=8)
+        assert finished_normally(final) and len(tokens) == 8
+        checks = wait_quiet(engine)
+        assert engine.cache_stats()["commit_failures"] == 1
+        assert_no_leaks(checks)
+        assert "cache commit failed in finalize_seq (RuntimeError" in capfd.readouterr().err  # the rank's log
+    finally:
+        engine.shutdown(drain_timeout_s=5)

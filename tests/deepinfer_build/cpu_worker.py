@@ -19,6 +19,7 @@ from .cpu_runtime import (
     BLOCK_TOKENS,
     ENV_BLOCKS,
     ENV_EOS_AFTER,
+    ENV_FAIL_STATE_READ,
     ENV_WINDOW,
     EXTRA_STATE_TOKENS,
     kv_value,
@@ -49,6 +50,8 @@ def _make_cache_interface(base: type) -> type:
             cls, state_id: int, last_hit_position: int, state_cache: torch.Tensor,
             state_tensor: torch.Tensor | None = None, TO_CE: bool = False,
         ) -> torch.Tensor | None:  # fmt: skip
+            if os.environ.get(ENV_FAIL_STATE_READ) == "1":
+                raise RuntimeError("select_state_slice failed (fault injected by the test)")
             if not TO_CE:
                 assert last_hit_position % BLOCK_TOKENS == 0, last_hit_position
             ring, window = _ring(), _window()

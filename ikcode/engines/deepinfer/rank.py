@@ -278,7 +278,11 @@ class RankWorker:
             boundary = int(r.seq.num_cached_tokens) // KVSTORE_GRAIN * KVSTORE_GRAIN
             if boundary <= max(r.snapshots, default=0):
                 continue
-            snapshot = self.cache.select_state(r.seq, boundary)
+            try:
+                snapshot = self.cache.select_state(r.seq, boundary)
+            except Exception:  # a resume point fewer, not a reason to stop the rank
+                log.exception("rank %d: reading the window of %s failed", self.rank, r.request_id)
+                continue
             if snapshot is None:
                 continue
             r.snapshots[boundary] = snapshot

@@ -6,8 +6,13 @@ sliding window it reads, so a wrong resume changes the answer."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
+from ikcode.engines.base import EngineError, EngineRequest, FinishReason, SamplingParams
 from tests.deepinfer_build.harness import (
     assert_no_leaks,
     finished_normally,
@@ -96,3 +101,25 @@ def test_twenty_turn_conversations_read_each_repeat_from_cache(tmp_path):
         assert_no_leaks(checks)
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_a_rank_that_dies_is_detected_and_reported(tmp_path):
+    """Rank processes wait for each other in every step: when one dies, its requests and the
+    others' fail at once with the reason, nothing hangs, and the engine refuses new work."""
+    engine = real_engine(tmp_path, ranks=2)
+    try:
+        stream = engine.submit(
+            EngineRequest("long", random_tokens(300, 9), SamplingParams(temperature=0.0, max_tokens=5000))
+        )
+        next(iter(stream))  # it is running
+        victim = engine.ranks[1].process
+        os.kill(victim.pid, signal.SIGKILL)
+        started = time.monotonic()
+        tokens, final = stream.collect(60)
+        assert final.finish_reason is FinishReason.ERROR and "rank 1 exited" in str(final.error), final
+        assert time.monotonic() - started < 30
+        with pytest.raises(EngineError, match="rank 1 exited"):
+            engine.submit(EngineRequest("after", random_tokens(10, 1), SamplingParams(max_tokens=2)))
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+    assert all(not r.process.is_alive() for r in engine.ranks)

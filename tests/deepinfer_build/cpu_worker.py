@@ -27,6 +27,7 @@ from .cpu_runtime import (
 )
 
 FIRST_WORD = 3  # the CPU model never emits ids below this (BOS, EOS and the tokenizers' specials)
+MOD = 1_000_003
 
 
 class CpuModel:
@@ -128,29 +129,36 @@ class CpuModelRunner:
         return SimpleNamespace(model_output=next_tokens, input_metadata=None, graph_size=0)
 
     def _forward(self, meta: Any, seq: Any) -> int:
+        """Run positions [k - q, k). Like attention over a sliding window, what is stored for a
+        position depends on the window [p - W, p) read from the state slot's ring, so positions
+        replayed after a resume come out right only if the restored window is. The next token then
+        reads every stored entry of [0, k) through the block table."""
         assert self.cache is not None
-        pages, rings = self.cache.pages(), self.cache.rings()
+        pages = self.cache.gpu_blocks.numpy().view(np.int64)  # [num_blocks, 128], shared memory
+        slots = self.cache.gpu_states.numpy().view(np.int64)
         k, q = int(meta.seqlen_k), int(meta.seqlen_q)
         tokens = list(seq.data.get_token_ids())
         if len(tokens) < k:  # zero-overhead scheduling: the last sampled token is not on the CPU yet
             tokens.append(self.last_sampled[seq.request_id])
         assert len(tokens) >= k, (seq.request_id, len(tokens), k)
         table = list(seq.block_table)
-        ring, window, state = _ring(), _window(), int(seq.state_id)
-        positions = np.arange(k - q, k)
-        values = kv_value(np.asarray(tokens[k - q : k]), positions)
-        for p, v in zip(positions.tolist(), values.tolist(), strict=True):
-            pages[table[p // BLOCK_TOKENS], p % BLOCK_TOKENS] = v
-            rings[state, p % ring] = v
+        ring_len, window = _ring(), _window()
+        ring = slots[int(seq.state_id)]
+        start = k - q
+        before = np.arange(max(0, start - window), start)
+        win = int(((ring[before % ring_len] % MOD) * (before % 31 + 1)).sum())  # window sum at `start`
+        for p in range(start, k):
+            value = int(kv_value(tokens[p], p)) + win % MOD
+            pages[table[p // BLOCK_TOKENS], p % BLOCK_TOKENS] = value
+            ring[p % ring_len] = value
+            win += (value % MOD) * (p % 31 + 1)
+            if p - window >= 0:  # slide: the entry leaving the window, read back from the ring
+                gone = p - window
+                win -= (int(ring[gone % ring_len]) % MOD) * (gone % 31 + 1)
         self.forward_tokens += q
-        # The next token: every KV entry of [0, k) read through the block table, and the window
-        # [k - W, k) read from the state slot's ring.
-        idx = torch.arange(k)
-        rows = torch.tensor([table[i // BLOCK_TOKENS] for i in range(0, k, BLOCK_TOKENS)], dtype=torch.long)
+        rows = np.asarray([table[i // BLOCK_TOKENS] for i in range(0, k, BLOCK_TOKENS)], dtype=np.int64)
         kv = pages[rows].reshape(-1)[:k]
-        full = int(((kv % 1_000_003) * (idx % 97 + 1)).sum())
-        w = torch.arange(max(0, k - window), k)
-        win = int(((rings[state][w % ring] % 1_000_003) * (w % 31 + 1)).sum())
+        full = int(((kv % MOD) * (np.arange(k) % 97 + 1)).sum())
         token = FIRST_WORD + (full * 31 + win * 17 + k) % (self.vocab_size - FIRST_WORD)
         eos_after = int(os.environ.get(ENV_EOS_AFTER, "0"))
         if eos_after and k - seq.get_prompt_len() + 1 >= eos_after:

@@ -156,7 +156,11 @@ def main() -> int:
                      f"   {'PASS' if warm_s < cold_s else 'WARN'}")  # fmt: skip
         # 4. no leak
         try:
+            deadline = time.monotonic() + 60  # the last turn is released a step or more after it ends
             checks = engine.check()
+            while any(c["live"] or c["engine_unfinished"] for c in checks) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                checks = engine.check()
             leak_ok = engine.idle() and all(
                 c["blocks_total"] - c["blocks_free"] == c["blocks_pinned"]
                 and c["state_slots_free"] == c["state_slots_free_at_start"]

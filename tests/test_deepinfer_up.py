@@ -61,9 +61,11 @@ def test_up_with_the_cpu_harness_serves_two_ranks(tmp_path):
     assert started.returncode == 0, started.stderr[-3000:]
     url = f"http://127.0.0.1:{port}"
     try:
-        health = httpx.get(f"{url}/health", timeout=10).json()
+        # /health shows details only to a holder of a token (an anonymous caller sees the status).
+        token = auth.load_or_create_token()
+        health = httpx.get(f"{url}/health", headers={"authorization": f"Bearer {token}"}, timeout=10).json()
         assert health["status"] == "ok" and health["engine"] == "deepinfer"
-        client = anthropic.Anthropic(base_url=url, auth_token=auth.load_or_create_token(), max_retries=0,
+        client = anthropic.Anthropic(base_url=url, auth_token=token, max_retries=0,
                                      timeout=120)  # fmt: skip
         ask = {"model": "deepseek-v4.1-flash", "max_tokens": 8,
                "messages": [{"role": "user", "content": "hello from the CPU harness"}]}  # fmt: skip

@@ -164,25 +164,15 @@ class SimulatedServer:
     def route(self, req: SimRequest, admitting: list[int] | None = None, record: bool = True) -> int:
         """The rank DeepInferEngine.submit would give req: the adapter's SessionRouter on each
         rank's cached prefix and live request count (plus `admitting`). record=False leaves the
-        router as it was (SessionRouter.route remembers the session's rank; admission only asks)."""
+        router as it was (SessionRouter.peek: admission only asks)."""
         keys = req.keys(req.prompt_tokens // self.block_size)
         ranks, extra = self.ranks, admitting or [0] * len(self.ranks)
-        router = self.router
-        if not record:  # noqa: SLF001 - restore what route() writes: the session entry and counts
-            known = router._sessions.get(req.session_id) if req.session_id else None  # noqa: SLF001
-            counts = list(router._per_rank)  # noqa: SLF001
-        rank = router.route(
+        pick = self.router.route if record else self.router.peek
+        return pick(
             req.session_id,
             lambda r: ranks[r].cache.match(keys).blocks,
             lambda r: ranks[r].num_active() + extra[r],
         )
-        if not record:
-            router._per_rank[:] = counts  # noqa: SLF001
-            if req.session_id and known is None:
-                router._sessions.pop(req.session_id, None)  # noqa: SLF001
-            elif req.session_id:
-                router._sessions[req.session_id] = known  # noqa: SLF001
-        return rank
 
     # ---- one step --------------------------------------------------------------------------
     def _vote(self) -> bool:

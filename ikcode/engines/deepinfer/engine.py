@@ -11,9 +11,11 @@ the reason. Shutdown drains, tells the ranks to stop together, and joins them.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
 import time
 from concurrent.futures import Future
@@ -29,7 +31,6 @@ from ikcode.engines.base import (
     EngineShutdown,
     FinishReason,
     LifecycleEvent,
-    LifecycleKind,
     LifecycleListener,
     RequestStream,
     TokenEvent,
@@ -39,6 +40,7 @@ from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
 from ikcode.engines.deepinfer.host_pool import HostPool
 from ikcode.engines.deepinfer.rank_process import RankSpec, rank_main
 from ikcode.engines.deepinfer.routing import SessionRouter
+from ikcode.engines.placement import Placement
 
 log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 60.0
@@ -80,6 +82,11 @@ class DeepInferEngine:
         self._stopping = False
         self.failure: str | None = None  # why the engine stopped serving (a rank died)
         self._started = False
+        # Lifecycle events reach the listeners on their own thread, in order: a listener may
+        # wait for a lock whose holder waits for a rank's reply (admission asks placement()
+        # under its lock), and replies arrive on the reader threads.
+        self._life: queue.Queue = queue.Queue()
+        self._life_thread: threading.Thread | None = None
 
     # ---- Engine protocol ---------------------------------------------------------------------
     @property
@@ -92,6 +99,10 @@ class DeepInferEngine:
             if self._started:
                 return
             self._started = True
+        self._life_thread = threading.Thread(
+            target=self._deliver_life, name="ikcode-deepinfer-life", daemon=True
+        )
+        self._life_thread.start()
         ctx = multiprocessing.get_context("spawn")
         for rank in range(self.config.data_parallel_size):
             parent, child = ctx.Pipe()
@@ -195,6 +206,38 @@ class DeepInferEngine:
     def add_listener(self, listener: LifecycleListener) -> None:
         self._listeners.append(listener)
 
+    # ---- placement (ikcode.engines.placement) ---------------------------------------------------
+    def rank_loads(self) -> list[EngineLoad]:
+        """Each rank's load as it last reported it (pushed after every step that changed it, so
+        no round trip here). The reserve kept free for the prefill watermark is never given to a
+        sequence (RankWorker._admit_pending), so it is not counted as the rank's to give."""
+        if not self.ranks:  # not started: the ranks exist, nothing is known of them yet
+            return [EngineLoad() for _ in range(self.config.data_parallel_size)]
+        return [
+            dataclasses.replace(
+                r.load, kv_blocks_total=max(0, r.info["total_blocks"] - r.info["reserve_blocks"])
+            )
+            for r in self.ranks
+        ]
+
+    def placement(self, request: EngineRequest, admitting: list[int]) -> Placement:
+        """The rank submit() would route request to with admitting[r] more requests on rank r,
+        and the blocks its allocation takes there: the whole prompt (a device hit is copied into
+        the sequence's own blocks) plus the hit blocks no request holds now, which stop being
+        evictable while it runs. Leaves the router as it is: one cheap call per rank."""
+        self.start()
+        prompt = request.prompt_token_ids
+        if self.failure or self._stopping:  # submit() will say why; admission must not raise here
+            return Placement(0, -(-len(prompt) // KVSTORE_GRAIN))
+        hashes = hash_blocks(prompt, KVSTORE_GRAIN, request.cache_salt)
+        probes = [self._call(r, "placement", hashes, len(prompt)) for r in self.ranks]
+        extra = list(admitting) + [0] * (len(self.ranks) - len(admitting))
+        index = self.router.peek(
+            request.session_id, lambda i: probes[i][0], lambda i: self._active(i) + extra[i]
+        )
+        blocks = -(-len(prompt) // KVSTORE_GRAIN) + probes[index][1]
+        return Placement(index, blocks)
+
     # ---- truth for /metrics, doctor and tests ---------------------------------------------------
     def cache_stats(self) -> dict[str, float]:
         merged: dict[str, float] = {}
@@ -238,7 +281,7 @@ class DeepInferEngine:
             if kind == "event":
                 self._on_event(message[1])
             elif kind == "life":
-                self._on_life(message[1], message[2], message[3])
+                self._life.put((message[1], message[2], message[3], time.monotonic()))
             elif kind == "reply":
                 future = self._calls.get(message[1])
                 if future is not None:
@@ -265,13 +308,15 @@ class DeepInferEngine:
         if entry is not None:
             entry[0].put(event)
 
-    def _on_life(self, kind: LifecycleKind, request_id: str, stats: Any) -> None:
-        event = LifecycleEvent(kind, request_id, time.monotonic(), stats)
-        for listener in self._listeners:
-            try:
-                listener(event)
-            except Exception:
-                log.exception("lifecycle listener failed")
+    def _deliver_life(self) -> None:
+        while True:
+            kind, request_id, stats, at = self._life.get()
+            event = LifecycleEvent(kind, request_id, at, stats)
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:
+                    log.exception("lifecycle listener failed")
 
     def _rank_died(self, r: _Rank, reason: str) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""One DeepInfer data-parallel rank: its LLMEngine, its cache, and the work its engine thread does.
+"""One DeepInfer data-parallel rank: its LLMEngine, its cache, and its engine thread's step loop.
 
 Every engine call (add_request, try_allocate_seq, abort, step, page copies) happens on the rank's
 engine thread: the C++ scheduler releases the GIL while it mutates its queues (facts: Threading).
@@ -9,6 +9,10 @@ Gaps DeepInfer leaves to the server, filled here (facts: "Gaps the server fills"
 as a token (stripped), stop ids and max_tokens are enforced here, rejected requests echo the
 prompt's last token (never streamed), aborted RUNNING requests get no final output (the stream is
 closed here). The cache is committed in finalize_seq, when the engine really frees the sequence.
+
+Admission of pending requests is in rank_admission.py, closing and releasing them in
+rank_release.py; this file holds the state, the hand-over from other threads, and the step with
+its outputs.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from ikcode.cache import hash_blocks
 from ikcode.engines.base import (
     EngineError,
     EngineOverloaded,
@@ -31,31 +34,24 @@ from ikcode.engines.base import (
     FinishReason,
     LifecycleKind,
     PromptTooLong,
-    RequestStream,
     TokenEvent,
 )
 from ikcode.engines.deepinfer.caching_engine import make_caching_engine
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
+from ikcode.engines.deepinfer.rank_admission import RankAdmission
 from ikcode.engines.deepinfer.rank_cache import RankCache
+from ikcode.engines.deepinfer.rank_release import RankRelease
 from ikcode.engines.deepinfer.request import RankRequest
 
 log = logging.getLogger(__name__)
 
 Emit = Callable[[LifecycleKind, RankRequest], None]
 SNAPSHOTS_PER_REQUEST = 4
-_QUERY_STATS = (
-    "requests", "query_tokens", "query_blocks", "hit_tokens_device", "hit_tokens_host",
-    "hit_blocks_device", "hit_blocks_host",
-)  # fmt: skip
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 PREEMPTED = "insufficient_system_resource"  # FINISHED_PREEMPTED's reason (sequence.hpp:55-56)
-NO_BINDING = (
-    "this deepinfer build does not expose Sequence.block_table: apply ikcode's patch "
-    "(ikcode/engines/deepinfer/patches/README.md) and rebuild"
-)
 
 
-class RankWorker:
+class RankWorker(RankAdmission, RankRelease):
     def __init__(
         self,
         rank: int,
@@ -131,117 +127,6 @@ class RankWorker:
                 self.cache.evict_for(self.reserve_blocks)
         with self.lock:
             return bool(self.live)
-
-    def _admit_pending(self) -> None:
-        for r in list(self.pending):
-            if r.prime is not None and r.prime.stats.released_at is None:
-                continue  # its priming pass runs first
-            if r.seq is None and not r.internal and r.cached_before_prime is None and self._start_prime(r):
-                continue
-            try:
-                added = r.seq is not None or self._add(r)
-            except Exception as exc:
-                self.pending.remove(r)
-                if r.seq is not None:
-                    self.engine.abort_request(r.request_id)
-                self._fail(r, exc)
-                continue
-            if not added:
-                self.pending.remove(r)
-                continue
-            blocks = -(-len(r.request.prompt_token_ids) // KVSTORE_GRAIN)
-            with self.lock:
-                self.cache.evict_for(blocks + self.reserve_blocks)
-            allocated = self.scheduler.try_allocate_seq(r.seq)
-            if allocated and self.blocks.get_num_free_blocks() < self.reserve_blocks:
-                # Prefill-stall guard: past the watermark DeepInfer admits no prefill
-                # (scheduler.hpp:80, 313) and has no eviction of its own; admitting this one now
-                # could leave every sequence waiting. Give the blocks back and retry later.
-                self.scheduler.free_seq(r.seq)
-                allocated = False
-                self.stall_guard_hits += 1
-            if not allocated:
-                if any(x.admitted for x in self.live.values()):
-                    return  # back-pressure: memory comes back as running requests finish
-                self.pending.remove(r)
-                free = self.blocks.get_num_free_blocks()
-                self._fail(r, EngineOverloaded(f"rank {self.rank}: needs {blocks} KV blocks, {free} free"))
-                continue
-            self.pending.remove(r)
-            try:
-                self._resume(r)
-            except Exception as exc:
-                log.exception("admission of %s failed", r.request_id)
-                self.scheduler.free_seq(r.seq)  # allocated by try_allocate_seq, never added
-                with self.lock:
-                    self.cache.drop(r.request_id)
-                self._fail(r, exc)
-
-    def _start_prime(self, r: RankRequest) -> bool:
-        """Queue a priming pass over prompt[:P + 1] ahead of r when it pays (config.prime_min_tokens)."""
-        prompt = r.request.prompt_token_ids
-        keep, bs = self.config.yoco_keep_tokens, KVSTORE_GRAIN
-        target = max(0, len(prompt) - keep) // bs * bs
-        with self.lock:
-            n = self.cache.resumable_blocks(r.hashes, len(prompt), keep)
-            m = self.cache.cache.match(r.hashes[:n])
-        r.cached_before_prime = (m.device_blocks * bs, m.host_blocks * bs)
-        if not self.config.prime_min_tokens or target - n * bs < self.config.prime_min_tokens:
-            return False
-        sampling = dataclasses.replace(r.request.sampling, max_tokens=1, stop_token_ids=(), temperature=0.0)
-        request = dataclasses.replace(
-            r.request, request_id=f"{r.request_id}#prime", prompt_token_ids=list(prompt[: target + 1]),
-            sampling=sampling,
-        )  # fmt: skip
-        stream = RequestStream(request.request_id)  # nobody reads it
-        prime = RankRequest(request, stream, r.hashes[: target // bs], internal=True)
-        r.prime = prime
-        with self.lock:
-            self.live[request.request_id] = prime
-        self.pending.insert(self.pending.index(r), prime)
-        return True
-
-    def _add(self, r: RankRequest) -> bool:
-        s = r.request.sampling
-        params = self.backend.SamplingParams(
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-            max_tokens=s.max_tokens, seq_seed=s.seed if s.seed is not None else self.config.seed,
-        )  # fmt: skip
-        prompt = np.asarray(r.request.prompt_token_ids, dtype=np.int32)
-        user = r.request.cache_salt or "ikcode"
-        r.seq = self.engine.add_request(user, r.request_id, params, prompt, enqueue=False)
-        if r.seq is None:
-            r.rejected = True  # the next step's output echoes the prompt's last token and says why
-            return False
-        if not hasattr(r.seq, "block_table"):
-            raise RuntimeError(NO_BINDING)
-        return True
-
-    def _resume(self, r: RankRequest) -> None:
-        """The cache hit (if any) into the allocated sequence, then hand it to the scheduler."""
-        prompt_len = len(r.request.prompt_token_ids)
-        with self.lock:
-            n = self.cache.resumable_blocks(r.hashes, prompt_len, self.config.yoco_keep_tokens)
-            counted = dataclasses.replace(self.cache.cache.stats)
-            device, host = self.cache.admit(r.seq, r.request_id, r.hashes, n, r.request.session_id)
-            if r.internal:  # a priming pass is not a request of anyone's
-                for name in _QUERY_STATS:
-                    setattr(self.cache.cache.stats, name, getattr(counted, name))
-        self.scheduler.add_sequence(r.seq)
-        r.admitted = True
-        if r.prime is not None and r.cached_before_prime is not None:
-            # What the priming pass computed a moment ago was computed for r: not a cache hit.
-            before = r.cached_before_prime
-            with self.lock:
-                stats = self.cache.cache.stats
-                extra = device - before[0]
-                stats.hit_tokens_device -= extra
-                stats.hit_blocks_device -= extra // KVSTORE_GRAIN
-            device, host = min(device, before[0]), min(host, before[1])
-        r.stats.cached_tokens_device, r.stats.cached_tokens_host = device, host
-        r.stats.computed_tokens = prompt_len - device - host
-        r.stats.admitted_at = time.monotonic()
-        self.emit(LifecycleKind.ADMITTED, r)
 
     # ---- engine thread: the step and its outputs ------------------------------------------------
     def drive(self, any_unfinished: bool) -> None:
@@ -324,116 +209,5 @@ class RankWorker:
             stats = dataclasses.replace(r.stats) if first else None
             r.stream.put(TokenEvent(r.request_id, [token], stats=stats))
 
-    def _close(
-        self, r: RankRequest, reason: FinishReason, tokens: list[int], error: EngineError | None = None
-    ) -> None:
-        """The stream's final event. The engine may hold the sequence for steps more: the cache
-        entry waits for finalize_seq, unless this is the final-token variant (the published bug)."""
-        r.closed = True
-        r.stats.finished_at = time.monotonic()
-        self.emit(LifecycleKind.FINISHED, r)
-        event = TokenEvent(r.request_id, tokens, True, reason, dataclasses.replace(r.stats), error)
-        r.stream.put(event)
-        if self.config.commit_point == "final_token" and r.admitted:
-            with self.lock:
-                self.cache.drop(r.request_id)  # finalised now: nothing is left to commit at release
-        if r.admitted and not r.engine_finished and not r.failed:
-            self.engine.abort_request(r.request_id)  # stop id or max_tokens: the engine stops too
-
-    def _on_preempted(self, r: RankRequest) -> None:
-        """DeepInfer stopped the sequence for lack of KV memory: it freed blocks and state itself,
-        without finalize_seq, and echoed the last token (scheduler.hpp:766-790, outputs.hpp:297-304).
-        The echo is not streamed, nothing is committed (the KV is gone), the request is released."""
-        self.preempted += 1
-        r.failed = True
-        if not r.closed:
-            self._close(r, FinishReason.ERROR, [], EngineOverloaded(f"rank {self.rank}: out of KV memory"))
-        with self.lock:
-            self.cache.drop(r.request_id)
-        self._release(r)
-
-    # ---- release: finalize_seq ------------------------------------------------------------------
-    def on_finalize(self, seq: Any) -> None:
-        """Inside finalize_seq, before the parent frees blocks and state: commit the valid blocks
-        (seq.num_cached_tokens of them are valid at close: len - 1 for a finished sequence)."""
-        r = self.live.get(seq.request_id)
-        if r is None:
-            return
-        if not r.closed:  # an aborted RUNNING sequence emits no final output
-            self._close(r, FinishReason.ABORT, [])
-        try:
-            with self.lock:
-                if r.failed:
-                    self.cache.drop(r.request_id)
-                elif r.request_id in self.cache.cache._seqs:  # noqa: SLF001 - dropped by the final-token variant
-                    valid = min(int(seq.num_cached_tokens), len(r.engine_tokens))
-                    full = valid // KVSTORE_GRAIN * KVSTORE_GRAIN
-                    keys = hash_blocks(r.engine_tokens[:full], KVSTORE_GRAIN, r.request.cache_salt)
-                    self.cache.commit(seq, r.request_id, keys, r.snapshots)
-        except BaseException:
-            with self.lock:
-                self.cache.drop(r.request_id)  # nothing half-committed stays behind
-            raise
-        finally:
-            self._release(r)
-
-    def _release(self, r: RankRequest) -> None:
-        if r.stats.released_at is not None:
-            return
-        r.stats.released_at = time.monotonic()
-        with self.lock:
-            self.live.pop(r.request_id, None)
-        self.emit(LifecycleKind.RELEASED, r)
-
-    # ---- aborts and failures --------------------------------------------------------------------
-    def _abort(self, request_id: str, error: EngineError | None) -> None:
-        r = self.live.get(request_id)
-        if r is None or r.closed:
-            return
-        if not r.admitted:  # still ours: nothing allocated in the engine
-            if r in self.pending:
-                self.pending.remove(r)
-            if r.seq is not None:
-                self.engine.abort_request(request_id)
-            self._close(r, FinishReason.ABORT, [], error)
-            self._release(r)
-        elif _is_waiting(r.seq):
-            # An aborted WAITING sequence never reaches finalize_seq: free what it holds ourselves.
-            self._close(r, FinishReason.ABORT, [], error)  # aborts it in the engine
-            self.scheduler.free_seq(r.seq)
-            with self.lock:
-                self.cache.drop(request_id)
-            self._release(r)
-        else:
-            self._close(r, FinishReason.ABORT, [], error)  # no final output will come
-
-    def _fail(self, r: RankRequest, exc: BaseException) -> None:
-        r.failed = True
-        if not r.closed:
-            err = exc if isinstance(exc, EngineError) else EngineError(f"internal engine error: {exc!r}")
-            self._close(r, FinishReason.ERROR, [], err)
-        if not r.admitted:
-            self._release(r)
-
-    def fail_everything(self, exc: BaseException) -> None:
-        for r in list(self.live.values()):
-            self._fail(r, exc)
-            if r.admitted:
-                try:
-                    self.engine.abort_request(r.request_id)
-                    self.scheduler.free_seq(r.seq)
-                except Exception:
-                    log.exception("could not free %s", r.request_id)
-                with self.lock:
-                    self.cache.drop(r.request_id)
-                self._release(r)
-        self.pending.clear()
-
     def shutdown_requests(self) -> None:
         self.abort_all_error = EngineShutdown()
-
-
-def _is_waiting(seq: Any) -> bool:
-    """Still queued in the engine (not yet scheduled). Read from the bound status enum."""
-    status = getattr(seq, "status", None)
-    return str(getattr(status, "name", status)).upper().endswith("WAITING")

@@ -76,7 +76,15 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
         raise SystemExit(1) from None
     page_bytes = int(loop.worker.cache.cache_engine.gpu_blocks.shape[1])
     conn.send(
-        ("ready", {"rank": spec.rank, "total_blocks": loop.worker.total_blocks, "page_bytes": page_bytes})
+        (
+            "ready",
+            {
+                "rank": spec.rank,
+                "total_blocks": loop.worker.total_blocks,
+                "reserve_blocks": loop.worker.reserve_blocks,
+                "page_bytes": page_bytes,
+            },
+        )  # fmt: skip
     )
     try:
         loop.run()
@@ -185,6 +193,16 @@ class RankLoop:
         n = self.rpc_resumable(hashes, prompt_len)
         m = self.worker.cache.cache.match(hashes[:n])
         return CacheLookup(prompt_len, m.device_blocks * KVSTORE_GRAIN, m.host_blocks * KVSTORE_GRAIN)
+
+    def rpc_placement(self, hashes: list, prompt_len: int) -> tuple[int, int]:
+        """(blocks of the prompt this rank can resume, of those the device hits no request holds:
+        pinning them for the turn takes them out of the evictable pool)."""
+        n = self.rpc_resumable(hashes, prompt_len)
+        cache = self.worker.cache.cache
+        device = cache.match(hashes[:n]).device_blocks
+        pool = cache.pool
+        idle = sum(1 for key in hashes[:device] if pool.refcount[pool.index[key]] == 0)
+        return n, idle
 
     def rpc_load(self) -> EngineLoad:
         w = self.worker

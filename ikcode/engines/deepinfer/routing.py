@@ -27,19 +27,12 @@ class SessionRouter:
     def route(
         self, session_id: str | None, cached_blocks: Callable[[int], int], load: Callable[[int], int]
     ) -> int:
-        """cached_blocks(rank): blocks of this prompt cached on rank; load(rank): its requests."""
+        """cached_blocks(rank): blocks of this prompt cached on rank; load(rank): its requests.
+        The choice is remembered for the session."""
         loads = [load(r) for r in range(self.num_ranks)]
-        least = min(loads)
-        fits = [r for r in range(self.num_ranks) if loads[r] - least <= self.max_imbalance]
         with self._lock:
             known = self._sessions.get(session_id) if session_id else None
-            if known is not None and known in fits:
-                choice = known
-            else:
-                held = {r: cached_blocks(r) for r in fits}
-                best = max(held.values(), default=0)
-                candidates = [r for r in fits if held[r] == best] if best else fits
-                choice = min(candidates, key=lambda r: (loads[r], self._per_rank[r], r))
+            choice = self._choose(known, cached_blocks, loads)
             if session_id and choice != known:
                 if known is not None:
                     self._per_rank[known] -= 1
@@ -50,3 +43,23 @@ class SessionRouter:
                 while len(self._sessions) > self.max_sessions:
                     self._per_rank[self._sessions.popitem(last=False)[1]] -= 1
         return choice
+
+    def peek(
+        self, session_id: str | None, cached_blocks: Callable[[int], int], load: Callable[[int], int]
+    ) -> int:
+        """The rank route() would pick now, leaving the router as it is (admission asks where a
+        request would go before it is submitted, and may not submit it)."""
+        loads = [load(r) for r in range(self.num_ranks)]
+        with self._lock:
+            known = self._sessions.get(session_id) if session_id else None
+            return self._choose(known, cached_blocks, loads)
+
+    def _choose(self, known: int | None, cached_blocks: Callable[[int], int], loads: list[int]) -> int:
+        least = min(loads)
+        fits = [r for r in range(self.num_ranks) if loads[r] - least <= self.max_imbalance]
+        if known is not None and known in fits:
+            return known
+        held = {r: cached_blocks(r) for r in fits}
+        best = max(held.values(), default=0)
+        candidates = [r for r in fits if held[r] == best] if best else fits
+        return min(candidates, key=lambda r: (loads[r], self._per_rank[r], r))

@@ -85,11 +85,14 @@ class QueryGroup:
 class SeqAttention:
     """One sequence's share of a forward: the blocks holding its keys and its query groups."""
 
-    block_ids: torch.Tensor  # long, padded with any valid block id up to the longest group's keys
+    block_ids: torch.Tensor  # long: the sequence's own blocks covering its keys, nothing else
     groups: list[QueryGroup]
     # block_ids[0] when the blocks are consecutive (block_ids[0], block_ids[0] + 1, ...): the keys
     # are then read in place (a view of the pool, same layout as a gathered copy), not copied.
     first_block: int | None = None
+    # Keys SDPA is given when a prompt group's visible_keys run past the sequence's blocks: the
+    # extra ones are zeros (masked), never another sequence's blocks.
+    num_padded_keys: int = 0
 
     def keys_and_values(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -101,7 +104,34 @@ class SeqAttention:
         else:
             k, v = k_pool[self.block_ids], v_pool[self.block_ids]
         shape = (-1, k_pool.shape[2], k_pool.shape[3])
-        return k.view(shape).transpose(0, 1).unsqueeze(0), v.view(shape).transpose(0, 1).unsqueeze(0)
+        k, v = k.view(shape), v.view(shape)
+        padding = self.num_padded_keys - k.shape[0]
+        if padding > 0:
+            k, v = F.pad(k, (0, 0, 0, 0, 0, padding)), F.pad(v, (0, 0, 0, 0, 0, padding))
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+@dataclass
+class DecodeBatch:
+    """Decode rows [row_start, row_start + n): one new token for each of n sequences, attended in
+    one SDPA call over a padded block table (the throughput mode; not batch-invariant, because a
+    sequence's key count then depends on the longest one in the step)."""
+
+    row_start: int
+    block_table: torch.Tensor  # long [n, max_blocks], each row padded with its own last block
+    key_mask: torch.Tensor  # additive float [n, 1, 1, max_blocks * block_size]: -inf past its keys
+
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, num_kv_heads: int
+    ) -> torch.Tensor:
+        """q [n, heads, head_dim] -> [n, heads * head_dim]."""
+        n, heads, head_dim = q.shape
+        k = k_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # The query heads sharing a KV head as rows of one SDPA head: no K/V repeat.
+        qq = q.view(n, num_kv_heads, heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(qq, k, v, attn_mask=self.key_mask)
+        return out.reshape(n, heads * head_dim)
 
 
 @dataclass
@@ -110,8 +140,9 @@ class ForwardBatch:
     positions: torch.Tensor  # long [rows]
     write_rows: torch.Tensor  # long: rows whose K/V go to the pool (padding rows excluded)
     write_slots: torch.Tensor  # long: flat pool slot of each of those rows
-    seqs: list[SeqAttention]
+    seqs: list[SeqAttention]  # attended one sequence at a time
     row_groups: list[tuple[int, int]]  # [start, end) row ranges, one matmul each
+    decode: DecodeBatch | None = None  # decode rows attended all at once
 
 
 class RMSNorm(nn.Module):
@@ -196,6 +227,10 @@ class DecoderLayer(nn.Module):
                 o = F.scaled_dot_product_attention(qq, kk[:, :, :keys], vv[:, :, :keys], attn_mask=g.mask)
                 o = o.view(kvh, group, qrows, hd)[:, :, :n].permute(2, 0, 1, 3)
                 out[r0 : r0 + n] = o.reshape(n, self.q_size)
+        if batch.decode is not None:
+            d0 = batch.decode.row_start
+            d1 = d0 + batch.decode.block_table.shape[0]
+            out[d0:d1] = batch.decode.attend(q[d0:d1], k_pool, v_pool, kvh)
         return grouped_linear(out, self.o_weight_t, None, batch.row_groups)
 
     def mlp(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
@@ -266,9 +301,19 @@ class LlamaModel(nn.Module):
             x = layer(x, batch, cos, sin, k_pools[i], v_pools[i])
         return x
 
-    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """Logits of the selected rows, each row in its own one-row matmul: the same kernel whatever
-        else samples in the step (batch-invariant), and with [in, out] weights a one-row matmul is
-        as fast per row as a 4-row one, so nothing is lost."""
+    def logits(self, hidden_rows: torch.Tensor, alone: list[bool]) -> torch.Tensor:
+        """Logits of the selected rows. A row marked alone goes through its own one-row matmul (the
+        same kernel whatever else samples in the step: batch-invariant; with [in, out] weights a
+        one-row matmul streams the 49,152-column output layer about as fast per row as a 4-row
+        one); the others share one matmul, so the output layer is read once for all of them."""
         h = self.norm(hidden_rows)
-        return torch.cat([torch.mm(h[i : i + 1], self.lm_head_t) for i in range(h.shape[0])])
+        shared = [i for i, a in enumerate(alone) if not a]
+        if not shared:
+            return torch.cat([torch.mm(h[i : i + 1], self.lm_head_t) for i in range(h.shape[0])])
+        out = torch.empty(h.shape[0], self.lm_head_t.shape[1], dtype=h.dtype, device=h.device)
+        index = torch.tensor(shared, device=h.device)
+        out[index] = torch.mm(h[index], self.lm_head_t)
+        for i, a in enumerate(alone):
+            if a:
+                out[i] = torch.mm(h[i : i + 1], self.lm_head_t)[0]
+        return out

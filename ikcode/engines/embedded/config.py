@@ -19,11 +19,12 @@ class EmbeddedEngineConfig:
     num_threads: int | None = None  # torch.set_num_threads; None leaves torch's default
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when present)
     model_name: str | None = None  # served name; default: the ModelConfig's name
-    # Rows of the model's matmuls are grouped so that a token's numbers never depend on what else
-    # is in the batch: prompt rows in matmuls of a multiple of 4 rows, each decode row alone
-    # (see ikcode/model/llama.py). False: one matmul per step (more throughput with many
-    # concurrent decodes, but temperature-0 outputs may then differ in rare near-ties).
-    batch_invariant: bool = True
+    # Which requests get numbers that never depend on what else is in the batch (their prompt rows
+    # in matmuls of a multiple of 4 rows, each decode row in its own one-row matmul and attention;
+    # see ikcode/model/llama.py): "all", "greedy" (temperature 0: the quality gate's cached ==
+    # cold check, reproducible answers) or "off". Other decode rows share one matmul per weight
+    # and one attention call: the weights are read once per step for all of them.
+    batch_invariance: Literal["all", "greedy", "off"] = "greedy"
     cache_policy: str = "lru"
     # Test knobs reproducing engines that release a sequence after its final token.
     release_lag_steps: int = 0  # release a finished sequence N engine steps after its final token
@@ -41,6 +42,8 @@ class EmbeddedEngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_prefill_tokens_per_step <= 0:
             raise ValueError("max_prefill_tokens_per_step must be >= 1")
+        if self.batch_invariance not in ("all", "greedy", "off"):
+            raise ValueError(f"batch_invariance must be all, greedy or off, got {self.batch_invariance!r}")
         if self.release_lag_steps < 0:
             raise ValueError("release_lag_steps must be >= 0")
         if self.commit_point not in ("release", "final_token"):

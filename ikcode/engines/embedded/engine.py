@@ -81,7 +81,7 @@ class EmbeddedEngine:
             else 0
         )
         self.runner = ModelRunner(
-            mc, state_dict, self.num_blocks, num_host, bs, self.device, config.batch_invariant
+            mc, state_dict, self.num_blocks, num_host, bs, self.device, config.batch_invariance
         )
         # A tier's budget is a ceiling: check it against the tensors actually allocated.
         for tier, used, budget in (

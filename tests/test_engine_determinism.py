@@ -58,13 +58,13 @@ def test_batched_equals_one_at_a_time():
     alone.shutdown()
 
     batched = tiny_engine(
-        autostart=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20
+        start=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20
     )
     kv_batched = record_kv(batched)
     streams = [batched.submit(EngineRequest(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts)]
     batched.start()
     got = [s.collect(30)[0] for s in streams]
-    assert batched.max_batch_seqs >= 4  # they really ran together
+    assert max(batched.batch_sizes) >= 4  # they really ran together
     assert got == expected
     for i in range(len(prompts)):
         assert _same_kv(kv_alone[f"a{i}"], kv_batched[f"b{i}"]), f"request {i}: K/V differ in the last bits"
@@ -75,7 +75,7 @@ def test_batched_equals_one_at_a_time():
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_cached_prefix_equals_cold(architecture: str):
     rng = random.Random(7 if architecture == "llama" else 8)
-    engine = tiny_engine(architecture, autostart=False, kv_memory_bytes=1024 * 1024, max_num_seqs=6)
+    engine = tiny_engine(architecture, start=False, kv_memory_bytes=1024 * 1024, max_num_seqs=6)
     kv = record_kv(engine)
     engine.start()
     warm_hits = 0
@@ -136,9 +136,7 @@ def test_greedy_requests_stay_invariant_beside_sampled_ones():
     expected = [alone.submit(EngineRequest(f"a{i}", p, GREEDY)).collect(30)[0] for i, p in enumerate(prompts)]
     alone.shutdown()
 
-    mixed = tiny_engine(
-        autostart=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20
-    )
+    mixed = tiny_engine(start=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20)
     kv_mixed = record_kv(mixed)
     sampled = SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
     streams = []
@@ -147,7 +145,7 @@ def test_greedy_requests_stay_invariant_beside_sampled_ones():
         mixed.submit(EngineRequest(f"s{i}", _prompt(rng, rng.randrange(5, 150)), sampled))
     mixed.start()
     assert [s.collect(30)[0] for s in streams] == expected
-    assert mixed.max_batch_seqs == 8
+    assert max(mixed.batch_sizes) == 8
     for i in range(len(prompts)):
         assert _same_kv(kv_alone[f"a{i}"], kv_mixed[f"g{i}"]), f"request {i}: K/V differ in the last bits"
     assert_pool_clean(mixed)
@@ -166,13 +164,13 @@ def test_shared_decode_attention_matches_alone():
     alone.shutdown()
 
     batched = tiny_engine(
-        batch_invariance="off", autostart=False, max_num_seqs=8, max_prefill_tokens_per_step=512
+        batch_invariance="off", start=False, max_num_seqs=8, max_prefill_tokens_per_step=512
     )
     kv_batched = record_kv(batched)
     streams = [batched.submit(EngineRequest(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts)]
     batched.start()
     assert [s.collect(30)[0] for s in streams] == expected
-    assert batched.max_batch_seqs == len(prompts)
+    assert max(batched.batch_sizes) == len(prompts)
     for i in range(len(prompts)):
         (k1, v1), (k2, v2) = kv_alone[f"a{i}"], kv_batched[f"b{i}"]
         assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4), f"request {i}"

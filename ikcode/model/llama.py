@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ikcode.model import int8
 from ikcode.model.config import ModelConfig
 
 QUERY_GROUP = 128  # prompt rows share an SDPA call (and a key count) per QUERY_GROUP positions
@@ -134,6 +135,17 @@ class DecodeBatch:
         return out.reshape(n, heads * head_dim)
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows [start, end) that go through one matmul per weight."""
+
+    start: int
+    end: int
+    # Through the int8 weights when the model has them (LlamaModel.quantize_int8): never for
+    # batch-invariant rows (see int8.py).
+    quantized: bool = False
+
+
 @dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # long [rows]
@@ -141,7 +153,7 @@ class ForwardBatch:
     write_rows: torch.Tensor  # long: rows whose K/V go to the pool (padding rows excluded)
     write_slots: torch.Tensor  # long: flat pool slot of each of those rows
     seqs: list[SeqAttention]  # attended one sequence at a time
-    row_groups: list[tuple[int, int]]  # [start, end) row ranges, one matmul each
+    row_groups: list[RowGroup]
     decode: DecodeBatch | None = None  # decode rows attended all at once
 
 
@@ -161,12 +173,19 @@ def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None)
 
 
 def grouped_linear(
-    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, groups: list[tuple[int, int]]
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    bias: torch.Tensor | None,
+    groups: list[RowGroup],
+    packed: torch.ScriptObject | None = None,
 ) -> torch.Tensor:
-    if len(groups) == 1:
-        s, e = groups[0]
-        return linear_t(x[s:e] if (s, e) != (0, x.shape[0]) else x, weight_t, bias)
-    return torch.cat([linear_t(x[s:e], weight_t, bias) for s, e in groups])
+    def one(group: RowGroup) -> torch.Tensor:
+        rows = x if (group.start, group.end) == (0, x.shape[0]) else x[group.start : group.end]
+        if group.quantized and packed is not None:
+            return int8.linear(rows, packed)
+        return linear_t(rows, weight_t, bias)
+
+    return one(groups[0]) if len(groups) == 1 else torch.cat([one(g) for g in groups])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -188,6 +207,15 @@ class DecoderLayer(nn.Module):
         self.o_weight_t = nn.Parameter(torch.empty(q_out, cfg.hidden_size))
         self.gate_up_weight_t = nn.Parameter(torch.empty(cfg.hidden_size, 2 * cfg.intermediate_size))
         self.down_weight_t = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
+        self.packed: dict[str, torch.ScriptObject] = {}  # int8 copies (quantize_int8)
+
+    def quantize_int8(self) -> None:
+        self.packed = {
+            "qkv": int8.pack(self.qkv_weight_t, self.qkv_bias),
+            "o": int8.pack(self.o_weight_t),
+            "gate_up": int8.pack(self.gate_up_weight_t),
+            "down": int8.pack(self.down_weight_t),
+        }
 
     def attention(
         self,
@@ -199,7 +227,7 @@ class DecoderLayer(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         rows = x.shape[0]
-        qkv = grouped_linear(x, self.qkv_weight_t, self.qkv_bias, batch.row_groups)
+        qkv = grouped_linear(x, self.qkv_weight_t, self.qkv_bias, batch.row_groups, self.packed.get("qkv"))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated together
@@ -231,11 +259,14 @@ class DecoderLayer(nn.Module):
             d0 = batch.decode.row_start
             d1 = d0 + batch.decode.block_table.shape[0]
             out[d0:d1] = batch.decode.attend(q[d0:d1], k_pool, v_pool, kvh)
-        return grouped_linear(out, self.o_weight_t, None, batch.row_groups)
+        return grouped_linear(out, self.o_weight_t, None, batch.row_groups, self.packed.get("o"))
 
-    def mlp(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
-        gate, up = grouped_linear(x, self.gate_up_weight_t, None, groups).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate).mul_(up), self.down_weight_t, None, groups)
+    def mlp(self, x: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
+        packed = self.packed
+        gate, up = grouped_linear(x, self.gate_up_weight_t, None, groups, packed.get("gate_up")).chunk(
+            2, dim=-1
+        )
+        return grouped_linear(F.silu(gate).mul_(up), self.down_weight_t, None, groups, packed.get("down"))
 
     def forward(
         self,
@@ -267,6 +298,18 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.lm_head_packed: torch.ScriptObject | None = None
+
+    def quantize_int8(self) -> int:
+        """Add int8 copies of every matmul weight (fp32 stays for batch-invariant rows); returns
+        the bytes they take."""
+        for layer in self.layers:
+            layer.quantize_int8()
+        self.lm_head_packed = int8.pack(self.lm_head_t)
+        weights = [self.lm_head_t]
+        for layer in self.layers:
+            weights += [layer.qkv_weight_t, layer.o_weight_t, layer.gate_up_weight_t, layer.down_weight_t]
+        return sum(int8.packed_bytes(w) for w in weights)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take weights named as Hugging Face names them (q/k already in rotate-half order)."""
@@ -302,17 +345,19 @@ class LlamaModel(nn.Module):
         return x
 
     def logits(self, hidden_rows: torch.Tensor, alone: list[bool]) -> torch.Tensor:
-        """Logits of the selected rows. A row marked alone goes through its own one-row matmul (the
-        same kernel whatever else samples in the step: batch-invariant; with [in, out] weights a
-        one-row matmul streams the 49,152-column output layer about as fast per row as a 4-row
-        one); the others share one matmul, so the output layer is read once for all of them."""
+        """Logits of the selected rows. A row marked alone goes through its own one-row fp32
+        matmul (the same kernel whatever else samples in the step: batch-invariant; with [in, out]
+        weights a one-row matmul streams the 49,152-column output layer about as fast per row as
+        a 4-row one); the others share one matmul (int8 when quantized), so the output layer is
+        read once for all of them."""
         h = self.norm(hidden_rows)
-        shared = [i for i, a in enumerate(alone) if not a]
-        if not shared:
-            return torch.cat([torch.mm(h[i : i + 1], self.lm_head_t) for i in range(h.shape[0])])
         out = torch.empty(h.shape[0], self.lm_head_t.shape[1], dtype=h.dtype, device=h.device)
-        index = torch.tensor(shared, device=h.device)
-        out[index] = torch.mm(h[index], self.lm_head_t)
+        shared = [i for i, a in enumerate(alone) if not a]
+        if shared:
+            index = torch.tensor(shared, device=h.device)
+            rows = h[index]
+            packed = self.lm_head_packed
+            out[index] = int8.linear(rows, packed) if packed is not None else torch.mm(rows, self.lm_head_t)
         for i, a in enumerate(alone):
             if a:
                 out[i] = torch.mm(h[i : i + 1], self.lm_head_t)[0]

@@ -25,14 +25,10 @@ class EmbeddedEngineConfig:
     # cold check, reproducible answers) or "off". Other decode rows share one matmul per weight
     # and one attention call: the weights are read once per step for all of them.
     batch_invariance: Literal["all", "greedy", "off"] = "greedy"
+    # "int8": the decode rows that share a matmul read int8 copies of the weights (a quarter of the
+    # bytes; ikcode/model/int8.py), CPU only; fp32 stays for prompts and batch-invariant rows.
+    weights: Literal["fp32", "int8"] = "fp32"
     cache_policy: str = "lru"
-    # Test knobs reproducing engines that release a sequence after its final token.
-    release_lag_steps: int = 0  # release a finished sequence N engine steps after its final token
-    # "release": commit cache entries when the engine releases the sequence (correct).
-    # "final_token": the entry is finalised at the final token while the engine still holds the
-    # sequence, so nothing is left to commit at release: the published silent-miss bug.
-    commit_point: Literal["release", "final_token"] = "release"
-    autostart: bool = True  # submit() starts the engine thread (tests turn it off to batch requests)
     idle_wait_s: float = 0.05  # how long the idle engine thread sleeps between inbox checks
 
     def validate(self) -> None:
@@ -44,7 +40,5 @@ class EmbeddedEngineConfig:
             raise ValueError("max_prefill_tokens_per_step must be >= 1")
         if self.batch_invariance not in ("all", "greedy", "off"):
             raise ValueError(f"batch_invariance must be all, greedy or off, got {self.batch_invariance!r}")
-        if self.release_lag_steps < 0:
-            raise ValueError("release_lag_steps must be >= 0")
-        if self.commit_point not in ("release", "final_token"):
-            raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")
+        if self.weights not in ("fp32", "int8"):
+            raise ValueError(f"weights must be fp32 or int8, got {self.weights!r}")

@@ -7,6 +7,8 @@ from a host tensor of the same layout).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ikcode.engines.embedded.scheduler import ScheduledSeq
@@ -17,10 +19,13 @@ from ikcode.model.llama import (
     ForwardBatch,
     LlamaModel,
     QueryGroup,
+    RowGroup,
     SeqAttention,
     padded_query_rows,
     visible_keys,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -33,6 +38,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         batch_invariance: str,
+        weights: str = "fp32",
     ):
         self.cfg = cfg
         self.device = device
@@ -41,6 +47,12 @@ class ModelRunner:
         model = LlamaModel(cfg)
         model.load_hf_state_dict(state_dict)
         self.model = model.to(device).eval().requires_grad_(False)
+        self.int8_weight_bytes = 0
+        if weights == "int8":
+            if device.type != "cpu":  # fbgemm's kernels are CPU kernels
+                logger.warning("int8 weights are a CPU feature; %s keeps fp32", device)
+            else:
+                self.int8_weight_bytes = self.model.quantize_int8()
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_pool = torch.zeros(shape, dtype=torch.float32, device=device)
         self.v_pool = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -68,12 +80,6 @@ class ModelRunner:
     def host_pinned(self) -> bool:
         return self.k_host is not None and self.k_host.is_pinned()
 
-    def block_bytes(self, block: int) -> bytes:
-        """Raw K and V bytes of one device block, all layers (tests compare them bit for bit)."""
-        k = self.k_pool[:, block].contiguous().cpu()
-        v = self.v_pool[:, block].contiguous().cpu()
-        return k.numpy().tobytes() + v.numpy().tobytes()
-
     # ---- KVStore ---------------------------------------------------------------------------
     def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
         assert self.k_host is not None and self.v_host is not None
@@ -98,25 +104,30 @@ class ModelRunner:
     def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[int]]:
         """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none).
 
-        Rows, in order: prompt chunks, then decode rows of sequences that may vary with the batch,
-        all in one matmul per weight (the weights are read once for all of them); then each
-        batch-invariant decode row alone (a one-row matmul takes the same path whatever else runs).
-        A batch-invariant row in a shared matmul needs its row count to be a multiple of 4 (see
-        llama.py), so the shared rows are padded then."""
+        Rows, in order, each part one matmul per weight:
+        1. prompt chunks, always batch-invariant (fp32, a multiple of 4 rows; llama.py), so a
+           cached prompt block holds the same K/V whichever request computed it;
+        2. decode rows that may vary with the batch: the weights (int8 when quantized) are read
+           once for all of them, and they attend in one call over a padded block table;
+        3. each batch-invariant decode row alone (fp32 one-row matmul, attention over exactly its
+           keys)."""
         rows = _Rows(self.block_size)
         prefills = [s for s in scheduled if not s.seq.is_decoding]
         decodes = [s for s in scheduled if s.seq.is_decoding]
-        shared = [s for s in decodes if not self.is_invariant(s.seq)]
-        alone = [s for s in decodes if self.is_invariant(s.seq)]
         for item in prefills:
-            self._add_prefill(rows, item)
-        decode = self._add_shared_decodes(rows, shared)
-        if any(self.is_invariant(s.seq) for s in prefills):
-            rows.pad_to_multiple(4)
+            seq, start = item.seq, item.seq.num_computed_tokens
+            row0 = rows.add_tokens(seq, start, start + item.num_tokens)
+            rows.seqs.append(self._prompt_attention(seq.block_table, row0, start, item.num_tokens))
         if rows.ids:
-            rows.row_groups.append((0, len(rows.ids)))
-        for item in alone:
-            self._add_decode_alone(rows, item)
+            rows.pad_to_multiple(4)
+            rows.row_groups.append(RowGroup(0, len(rows.ids)))
+        first_shared = len(rows.ids)
+        decode = self._add_shared_decodes(rows, [s for s in decodes if not self.is_invariant(s.seq)])
+        if decode is not None:
+            rows.row_groups.append(RowGroup(first_shared, len(rows.ids), quantized=True))
+        for item in decodes:
+            if self.is_invariant(item.seq):
+                self._add_decode_alone(rows, item)
         batch = ForwardBatch(
             self._ids(rows.ids),
             self._ids(rows.positions),
@@ -127,12 +138,6 @@ class ModelRunner:
             decode,
         )
         return batch, [rows.sample_rows.get(id(s.seq), -1) for s in scheduled]
-
-    def _add_prefill(self, rows: _Rows, item: ScheduledSeq) -> None:
-        seq, start = item.seq, item.seq.num_computed_tokens
-        row0 = rows.add_tokens(seq, start, start + item.num_tokens)
-        invariant = self.is_invariant(seq)
-        rows.seqs.append(self._prompt_attention(seq.block_table, row0, start, item.num_tokens, invariant))
 
     def _add_shared_decodes(self, rows: _Rows, items: list[ScheduledSeq]) -> DecodeBatch | None:
         """One new token per sequence, attended in one call over a padded block table."""
@@ -165,11 +170,9 @@ class ModelRunner:
         row = rows.add_tokens(seq, num_keys - 1, num_keys)
         blocks = seq.block_table[: -(-num_keys // self.block_size)]
         rows.seqs.append(self._seq_attention(blocks, [QueryGroup(row, 1, 1, num_keys, None)]))
-        rows.row_groups.append((row, row + 1))
+        rows.row_groups.append(RowGroup(row, row + 1))
 
-    def _prompt_attention(
-        self, table: list[int], row0: int, start: int, n: int, invariant: bool
-    ) -> SeqAttention:
+    def _prompt_attention(self, table: list[int], row0: int, start: int, n: int) -> SeqAttention:
         """Rows start..start+n of a prompt, grouped by the keys they are given (llama.visible_keys)."""
         group = self.cfg.num_heads // self.cfg.num_kv_heads
         groups: list[QueryGroup] = []
@@ -177,7 +180,7 @@ class ModelRunner:
         while p < start + n:
             num_keys = visible_keys(p)
             num_rows = min(start + n, num_keys) - p
-            query_rows = padded_query_rows(num_rows, group) if invariant else num_rows
+            query_rows = padded_query_rows(num_rows, group)
             mask = self._mask(p, num_rows, query_rows, num_keys, group)
             groups.append(QueryGroup(row0 + p - start, num_rows, query_rows, num_keys, mask))
             p += num_rows
@@ -227,7 +230,7 @@ class _Rows:
         self.write_rows: list[int] = []
         self.write_slots: list[int] = []
         self.seqs: list[SeqAttention] = []
-        self.row_groups: list[tuple[int, int]] = []
+        self.row_groups: list[RowGroup] = []
         self.sample_rows: dict[int, int] = {}  # id(sequence) -> the row its next token comes from
 
     def add_tokens(self, seq: Sequence, start: int, end: int) -> int:

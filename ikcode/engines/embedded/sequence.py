@@ -32,7 +32,6 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     release_at_step: int = 0
-    drop_commit: bool = False  # the entry was finalised early (commit_point="final_token")
     num_preemptions: int = 0
     # Chained keys of the full blocks hashed so far. token_ids only ever grow, so a key once
     # computed stays right: admission retries (back-pressure), preemption and release reuse them.

@@ -162,13 +162,15 @@ def main(argv: list[str] | None = None) -> int:
 
     single = rows[0]["engine"] if rows and rows[0]["streams"] == 1 else None
     print(f"\n{args.prompt_tokens}-token prompts, {args.output_tokens} output tokens per stream, "
-          f"temperature {args.temperature}, engine batch_invariance={args.invariance} weights={args.weights}; best of {args.repeats}")  # fmt: skip
+          f"temperature {args.temperature}, engine batch_invariance={args.invariance} "
+          f"weights={args.weights}; best of {args.repeats}")  # fmt: skip
     print(
         "llama.cpp: "
         + ("llama-cpp-python, streams served one after another" if llama else f"skipped: {why_not}")
     )
     print(
-        f"{'streams':>7} | {'engine tok/s':>12} {'x own 1':>8} | {'llama.cpp':>10} {'engine/llama':>12} | load avg"
+        f"{'streams':>7} | {'engine tok/s':>12} {'x own 1':>8} | {'llama.cpp':>10} {'engine/llama':>12} "
+        "| load avg"
     )
     for r in rows:
         own = f"{r['engine'] / single:.2f}x" if single else "-"

@@ -177,7 +177,7 @@ def grouped_linear(
     weight_t: torch.Tensor,
     bias: torch.Tensor | None,
     groups: list[RowGroup],
-    packed: torch.ScriptObject | None = None,
+    packed: int8.Int8Weight | None = None,
 ) -> torch.Tensor:
     def one(group: RowGroup) -> torch.Tensor:
         rows = x if (group.start, group.end) == (0, x.shape[0]) else x[group.start : group.end]
@@ -207,7 +207,7 @@ class DecoderLayer(nn.Module):
         self.o_weight_t = nn.Parameter(torch.empty(q_out, cfg.hidden_size))
         self.gate_up_weight_t = nn.Parameter(torch.empty(cfg.hidden_size, 2 * cfg.intermediate_size))
         self.down_weight_t = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
-        self.packed: dict[str, torch.ScriptObject] = {}  # int8 copies (quantize_int8)
+        self.packed: dict[str, int8.Int8Weight] = {}  # int8 copies (quantize_int8)
 
     def quantize_int8(self) -> None:
         self.packed = {
@@ -298,7 +298,7 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
-        self.lm_head_packed: torch.ScriptObject | None = None
+        self.lm_head_packed: int8.Int8Weight | None = None
 
     def quantize_int8(self) -> int:
         """Add int8 copies of every matmul weight (fp32 stays for batch-invariant rows); returns
@@ -306,10 +306,8 @@ class LlamaModel(nn.Module):
         for layer in self.layers:
             layer.quantize_int8()
         self.lm_head_packed = int8.pack(self.lm_head_t)
-        weights = [self.lm_head_t]
-        for layer in self.layers:
-            weights += [layer.qkv_weight_t, layer.o_weight_t, layer.gate_up_weight_t, layer.down_weight_t]
-        return sum(int8.packed_bytes(w) for w in weights)
+        packs = [self.lm_head_packed] + [p for layer in self.layers for p in layer.packed.values()]
+        return sum(p.nbytes for p in packs)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take weights named as Hugging Face names them (q/k already in rotate-half order)."""

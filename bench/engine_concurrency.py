@@ -7,7 +7,9 @@ Each stream is a request with its own random --prompt-tokens prompt asking for -
 tokens (EOS ignored) at --temperature (0.2: the local profile's default for Claude Code's main
 loop). All streams are submitted at once through `EmbeddedEngine.submit`, the call the server
 makes; aggregate tokens/s = all output tokens / wall time from the first submit to the last
-final token (prefill included). `--invariance` picks the engine's batch-invariance mode
+final token (prefill included); also printed, the decode phase alone (tokens after each
+stream's first / time from the first first-token to the last final token). `--invariance` picks
+the engine's batch-invariance mode
 (EmbeddedEngineConfig.batch_invariance): "greedy" (the default) serves these sampled requests on
 the shared path, "all" shows what full batch invariance costs; `--weights` the decode weights
 (int8 by default, as the local profile runs).
@@ -65,20 +67,26 @@ class EngineSide:
         )
         self.engine.start()
 
-    def aggregate_tps(self, prompts: list[list[int]], output_tokens: int, temperature: float) -> float:
+    def aggregate_tps(
+        self, prompts: list[list[int]], output_tokens: int, temperature: float
+    ) -> tuple[float, float]:
+        """(all output tokens / wall time, tokens after the first / the decode phase's time)."""
         sampling = SamplingParams(temperature=temperature, max_tokens=output_tokens, ignore_eos=True)
         started = time.perf_counter()
         streams = [
             self.engine.submit(EngineRequest(uuid.uuid4().hex, p, sampling, cache_salt=uuid.uuid4().hex))
             for p in prompts
         ]
-        total = 0
+        total, firsts, ends = 0, [], []
         for stream in streams:
             tokens, final = stream.collect(timeout_s=900)
             if final.error is not None:
                 raise RuntimeError(f"engine error: {final.error}")
             total += len(tokens)
-        return total / (time.perf_counter() - started)
+            firsts.append(final.stats.first_token_at)
+            ends.append(final.stats.finished_at)
+        wall = time.perf_counter() - started
+        return total / wall, (total - len(prompts)) / (max(ends) - min(firsts))
 
     def close(self) -> None:
         self.engine.shutdown(drain_timeout_s=5)
@@ -96,18 +104,24 @@ class LlamaCppSide:
             verbose=False,
         )
 
-    def one_stream(self, prompt: list[int], output_tokens: int, temperature: float) -> int:
-        produced = 0
+    def one_stream(self, prompt: list[int], output_tokens: int, temperature: float) -> tuple[int, float]:
+        """(tokens produced, seconds from the first token to the last)."""
+        produced, first_at = 0, 0.0
         for _ in self.llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, reset=True):
             produced += 1
+            if produced == 1:
+                first_at = time.perf_counter()
             if produced == output_tokens:
                 break
-        return produced
+        return produced, time.perf_counter() - first_at
 
-    def aggregate_tps(self, prompts: list[list[int]], output_tokens: int, temperature: float) -> float:
+    def aggregate_tps(
+        self, prompts: list[list[int]], output_tokens: int, temperature: float
+    ) -> tuple[float, float]:
         started = time.perf_counter()
-        total = sum(self.one_stream(p, output_tokens, temperature) for p in prompts)
-        return total / (time.perf_counter() - started)
+        runs = [self.one_stream(p, output_tokens, temperature) for p in prompts]
+        total = sum(n for n, _ in runs)
+        return total / (time.perf_counter() - started), (total - len(runs)) / sum(s for _, s in runs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,4,8", help="comma-separated concurrent stream counts")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=32)
-    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.2)
     parser.add_argument("--invariance", default="greedy", choices=("all", "greedy", "off"))
     parser.add_argument("--weights", default="int8", choices=("fp32", "int8"))
@@ -146,21 +160,19 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for n in counts:
-            best = {"engine": 0.0, "llamacpp": 0.0}
+            best = dict.fromkeys(("engine", "engine_decode", "llamacpp", "llamacpp_decode"), 0.0)
             for _ in range(args.repeats):
                 prompts = [random_prompt(rng, args.prompt_tokens, vocab) for _ in range(n)]
-                best["engine"] = max(
-                    best["engine"], engine.aggregate_tps(prompts, args.output_tokens, args.temperature)
-                )
-                if llama is not None:
-                    tps = llama.aggregate_tps(prompts, args.output_tokens, args.temperature)
-                    best["llamacpp"] = max(best["llamacpp"], tps)
+                sides = {"engine": engine} | ({"llamacpp": llama} if llama is not None else {})
+                for name, side in sides.items():
+                    both, decode = side.aggregate_tps(prompts, args.output_tokens, args.temperature)
+                    best[name] = max(best[name], both)
+                    best[name + "_decode"] = max(best[name + "_decode"], decode)
             rows.append({"streams": n, **best, "load_avg": os.getloadavg()[0]})
             print(f"  {n} streams done", flush=True)
     finally:
         engine.close()
 
-    single = rows[0]["engine"] if rows and rows[0]["streams"] == 1 else None
     print(f"\n{args.prompt_tokens}-token prompts, {args.output_tokens} output tokens per stream, "
           f"temperature {args.temperature}, engine batch_invariance={args.invariance} "
           f"weights={args.weights}; best of {args.repeats}")  # fmt: skip
@@ -168,17 +180,23 @@ def main(argv: list[str] | None = None) -> int:
         "llama.cpp: "
         + ("llama-cpp-python, streams served one after another" if llama else f"skipped: {why_not}")
     )
-    print(
-        f"{'streams':>7} | {'engine tok/s':>12} {'x own 1':>8} | {'llama.cpp':>10} {'engine/llama':>12} "
-        "| load avg"
+    sections = (
+        ("", "end to end (prompt + output, all output tokens / wall time)"),
+        ("_decode", "decode phase (tokens after the first / time from first token to last)"),
     )
-    for r in rows:
-        own = f"{r['engine'] / single:.2f}x" if single else "-"
-        lc = f"{r['llamacpp']:.1f}" if llama else "-"
-        ratio = f"{r['engine'] / r['llamacpp']:.2f}" if llama and r["llamacpp"] else "-"
-        print(
-            f"{r['streams']:>7} | {r['engine']:>12.1f} {own:>8} | {lc:>10} {ratio:>12} | {r['load_avg']:.2f}"
-        )
+    for key, what in sections:
+        print(f"\naggregate output tok/s, {what}")
+        print(f"{'streams':>7} | {'engine':>8} {'x own 1':>8} | {'llama.cpp':>9} {'x own 1':>8} | "
+              f"{'engine/llama':>12} | load avg")  # fmt: skip
+        single = rows[0]["engine" + key] if rows and rows[0]["streams"] == 1 else None
+        single_lc = rows[0]["llamacpp" + key] if rows and rows[0]["streams"] == 1 else None
+        for r in rows:
+            e, lc = r["engine" + key], r["llamacpp" + key]
+            own = f"{e / single:.2f}x" if single else "-"
+            own_lc = f"{lc / single_lc:.2f}x" if single_lc else "-"
+            ratio = f"{e / lc:.2f}" if lc else "-"
+            print(f"{r['streams']:>7} | {e:>8.1f} {own:>8} | {lc if lc else '-':>9.5} {own_lc:>8} | "
+                  f"{ratio:>12} | {r['load_avg']:.2f}")  # fmt: skip
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=2))
     return 0

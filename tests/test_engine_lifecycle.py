@@ -174,3 +174,47 @@ def test_sequence_block_hashes_grow_incrementally_and_match_a_full_hash(salt: st
     seq.token_ids.extend(_prompt(12, 20))  # decoded tokens
     assert seq.block_hashes(len(seq.token_ids), 8) == hash_blocks(seq.token_ids, 8, salt)
     assert seq.block_hashes(17, 8) == hash_blocks(seq.token_ids[:16], 8, salt)
+
+
+def test_carried_block_hashes_spare_the_engine_thread_from_hashing(monkeypatch):
+    """A request that carries its prompt's block hashes (the gateway's incremental hasher) is
+    looked up, admitted and committed without the prompt being hashed again; hashes made for
+    another salt are ignored."""
+    from ikcode.cache import hash_blocks
+    from ikcode.engines.base import PromptBlockHashes
+    from ikcode.engines.embedded import engine as engine_module
+    from ikcode.engines.embedded import sequence as sequence_module
+
+    engine = tiny_engine(kv_memory_bytes=1 << 20)
+    bs = engine.config.block_size
+    prompt = _prompt(40, 300)
+    carried = PromptBlockHashes(bs, "", hash_blocks(prompt, bs))
+    hashed_tokens: list[int] = []
+
+    def counting(module):
+        real = module.hash_blocks
+
+        def hash_counted(tokens, *args, **kwargs):
+            hashed_tokens.append(len(tokens))
+            return real(tokens, *args, **kwargs)
+
+        monkeypatch.setattr(module, "hash_blocks", hash_counted)
+
+    counting(engine_module)
+    counting(sequence_module)
+    assert engine.lookup(prompt, "", carried).cached_tokens == 0
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.submit(EngineRequest("a", prompt, params, block_hashes=carried)).collect(30)
+    assert_pool_clean(engine)
+    assert sum(hashed_tokens) <= 20 + bs, hashed_tokens  # only blocks filled by output tokens
+    assert engine.lookup(prompt, "", carried).cached_tokens == (300 // bs) * bs
+    hashed_tokens.clear()
+    longer = prompt + [7] * 40  # the carried hashes do not cover it: hashed on the engine thread
+    _, final = engine.submit(EngineRequest("b", longer, params, block_hashes=carried)).collect(30)
+    assert final.stats.cached_tokens == (300 // bs) * bs
+    assert sum(hashed_tokens) >= 340
+    hashed_tokens.clear()
+    salted = PromptBlockHashes(bs, "someone else", hash_blocks(prompt, bs, "someone else"))
+    assert engine.lookup(prompt, "", salted).cached_tokens == (300 // bs) * bs  # rehashed for ""
+    assert sum(hashed_tokens) == 300
+    engine.shutdown()

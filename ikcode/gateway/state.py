@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ikcode.engines.base import Engine
+from ikcode.gateway.block_hashes import IncrementalBlockHasher
 from ikcode.gateway.chat_format import TokenizerLike
 from ikcode.gateway.metrics import GatewayMetrics
 from ikcode.gateway.render import Renderer
@@ -25,3 +26,9 @@ class Gateway:
     in_flight: int = 0
     # the latest prompt of each session, to log how much of the next one repeats it
     sessions: SessionPrefixes = field(default_factory=SessionPrefixes)
+    # Each conversation's block hashes, resumed turn after turn: the one hash of a prompt that the
+    # lookup, the admission layer and the engine all reuse.
+    block_hasher: IncrementalBlockHasher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_hasher = IncrementalBlockHasher(self.engine.info.block_size)

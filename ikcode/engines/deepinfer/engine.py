@@ -130,9 +130,10 @@ class DeepInferEngine:
             worker.request_abort(request_id)
             self._wake.set()
 
-    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
+    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes=None) -> CacheLookup:
         """What the best rank holds for this prompt, as it would be resumed (128-aligned, backed
         off by KEEP tokens, at a boundary with a state snapshot)."""
+        # block_hashes (the gateway's, at its block size) go unused: the ranks key by their grain.
         hashes = hash_blocks(prompt_token_ids, KVSTORE_GRAIN, cache_salt)
         best = CacheLookup(prompt_tokens=len(prompt_token_ids))
         for w in self.ranks:

@@ -34,6 +34,7 @@ from ikcode.engines.base import (
     LifecycleEvent,
     LifecycleKind,
     LifecycleListener,
+    PromptBlockHashes,
     RequestStream,
     TokenEvent,
     check_request,
@@ -182,9 +183,14 @@ class EmbeddedEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
-    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
+    def lookup(
+        self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes: PromptBlockHashes | None = None
+    ) -> CacheLookup:
         bs = self.config.block_size
-        hashes = hash_blocks(prompt_token_ids, bs, cache_salt)
+        if block_hashes is not None and block_hashes.usable(len(prompt_token_ids), bs, cache_salt):
+            hashes = block_hashes.hashes
+        else:
+            hashes = hash_blocks(prompt_token_ids, bs, cache_salt)
         with self._lock:
             m = self.cache.match(hashes)
         device = min(m.device_blocks * bs, len(prompt_token_ids))

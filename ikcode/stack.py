@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ikcode import auth, daemon
-from ikcode.engines.base import Engine, ModelLoadError
+from ikcode.engines.base import Engine
+from ikcode.model.errors import ModelLoadError
 from ikcode.profiles import Profile
 
 log = logging.getLogger("ikcode.stack")

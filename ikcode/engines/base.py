@@ -22,6 +22,7 @@ from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
 from ikcode.cache import BlockHash
+from ikcode.model.errors import ModelLoadError  # noqa: F401  (the model layer's; re-exported)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,10 +71,6 @@ class EngineOverloaded(EngineError):
 class EngineShutdown(EngineError):
     def __init__(self) -> None:
         super().__init__("engine is shutting down")
-
-
-class ModelLoadError(Exception):
-    """A model file is missing, corrupt or of an unsupported architecture (raised at start)."""
 
 
 # ---------------------------------------------------------------------------------------------

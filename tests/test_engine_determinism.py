@@ -176,3 +176,35 @@ def test_shared_decode_attention_matches_alone():
         assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4), f"request {i}"
     assert_pool_clean(batched)
     batched.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["all", "off"])
+def test_attention_reads_only_each_sequences_own_blocks(mode: str):
+    """Prompt groups padded past a sequence's keys get zero keys, and a padded decode table
+    repeats the sequence's own last block: no row ever reads another sequence's blocks."""
+    engine = tiny_engine(
+        start=False, batch_invariance=mode, kv_memory_bytes=1 << 20, max_prefill_tokens_per_step=512
+    )
+    rng = random.Random(4)
+    for i, n in enumerate((5, 70, 33)):
+        engine.submit(EngineRequest(f"r{i}", _prompt(rng, n), GREEDY))
+    with engine._lock:
+        for seq in engine._inbox:
+            engine.scheduler.add(seq)
+        engine._inbox.clear()
+    for _ in range(3):  # one prefill step, then decode steps
+        scheduled = engine.scheduler.schedule()
+        batch, _ = engine.runner.build_batch(scheduled)
+        owners = {}
+        for item in scheduled:
+            for block in item.seq.block_table:
+                owners[block] = item.seq.seq_id
+        seen = [set(s.block_ids.tolist()) for s in batch.seqs]
+        if batch.decode is not None:
+            seen += [set(row.tolist()) for row in batch.decode.block_table]
+        assert len(seen) == len(scheduled)
+        for blocks in seen:
+            assert len({owners[b] for b in blocks}) == 1, f"a row reads blocks of {blocks}"
+        engine.step()
+    engine.start()
+    engine.shutdown()

@@ -117,7 +117,9 @@ def main() -> None:
     # The server's parts: a Gateway over the admission layer over an EmbeddedEngine (not started:
     # nothing is submitted); the previous turn went through the same path and its blocks are
     # committed to the engine's cache.
-    engine = stand_in_engine(model.config.vocab_size, args.target_tokens + 4 * args.tail_tokens * args.iterations)
+    engine = stand_in_engine(
+        model.config.vocab_size, args.target_tokens + 4 * args.tail_tokens * args.iterations
+    )
     controller = AdmissionController(engine, AdmissionConfig())
     gw = create_app(controller, tokenizer, GatewaySettings()).state.gateway
     previous_body = parse(base_raw)

@@ -57,6 +57,8 @@ class ModelSection(_Section):
     batch_invariance: Literal["all", "greedy", "off"] = "greedy"
     # Used when a request names no temperature (Claude Code's main loop never does).
     default_temperature: float = Field(1.0, ge=0.0, le=2.0)
+    # How tool calls are written and read (gateway/tool_formats); "" = chosen from the chat template.
+    tool_format: Literal["", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3", "harmony"] = ""
 
 
 class ClaudeSection(_Section):

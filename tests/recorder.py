@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,6 +13,20 @@ def _sse(event: str, data: dict) -> bytes:
 
 
 def canned_stream(model: str, text: str = "hi there") -> bytes:
+    return _stream(model, {"type": "text", "text": ""}, {"type": "text_delta", "text": text}, "end_turn")
+
+
+def tool_use_stream(model: str, name: str, tool_input: dict, tool_id: str = "toolu_rec01") -> bytes:
+    """A streamed reply that calls one tool (the client then runs it and sends the result back)."""
+    block = {"type": "tool_use", "id": tool_id, "name": name, "input": {}}
+    delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input)}
+    return _stream(model, block, delta, "tool_use")
+
+
+_message_ids = itertools.count(1)
+
+
+def _stream(model: str, block: dict, delta: dict, stop_reason: str) -> bytes:
     usage = {
         "input_tokens": 10,
         "output_tokens": 0,
@@ -19,7 +34,8 @@ def canned_stream(model: str, text: str = "hi there") -> bytes:
         "cache_creation_input_tokens": 0,
     }
     message = {
-        "id": "msg_rec",
+        # One id per reply: the client merges consecutive assistant messages that share an id.
+        "id": f"msg_rec{next(_message_ids):04d}",
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -33,18 +49,15 @@ def canned_stream(model: str, text: str = "hi there") -> bytes:
             _sse("message_start", {"type": "message_start", "message": message}),
             _sse(
                 "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                {"type": "content_block_start", "index": 0, "content_block": block},
             ),
-            _sse(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
-            ),
+            _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}),
             _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
             _sse(
                 "message_delta",
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": None},
                     "usage": {"output_tokens": 3},
                 },
             ),
@@ -54,10 +67,15 @@ def canned_stream(model: str, text: str = "hi there") -> bytes:
 
 
 class Recorder:
-    """Records every request (method, path, headers, JSON body) and answers with canned data."""
+    """Records every request (method, path, headers, JSON body) and answers with canned data.
 
-    def __init__(self) -> None:
+    `replies` scripts the streamed answers in order (each a function of the requested model);
+    once they run out, every answer is the canned text.
+    """
+
+    def __init__(self, replies: list | None = None) -> None:
         self.requests: list[dict] = []
+        self.replies = list(replies or [])
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -97,7 +115,8 @@ class Recorder:
                 if self.path.split("?")[0].endswith("/v1/messages"):
                     model = (entry["body"] or {}).get("model", "?")
                     if (entry["body"] or {}).get("stream"):
-                        payload = canned_stream(model)
+                        script = recorder.replies.pop(0) if recorder.replies else canned_stream
+                        payload = script(model)
                         self.send_response(200)
                         self.send_header("Content-Type", "text/event-stream")
                         self.send_header("Content-Length", str(len(payload)))

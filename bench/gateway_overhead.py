@@ -1,10 +1,17 @@
-"""The gateway's own cost per warm request, engine excluded.
+"""The gateway's own cost per warm request, engine forward excluded, timed through the functions
+the server calls.
 
 A Claude Code shaped conversation of ~450,000 tokens (default model's tokenizer) gets a new turn
-whose tail is ~2,000 tokens. Per request we time what the gateway does before the engine runs:
-parse the JSON body and validate it, render (tokenizing only new segments), hash the prompt's
-blocks (resumed from the previous turn) and look the hashes up in a PrefixCache that holds the
-previous turn. Reported next to tokenizing the whole conversation from scratch, in one run.
+whose tail is ~2,000 tokens. Per request we time, in order, what the server runs before the
+engine's forward: the body's validation (`MessagesRequest.model_validate_json`, as FastAPI does),
+`messages._render_and_lookup` (session-prefix logging, render tokenizing only new segments, the
+conversation's incremental block hashes, the cache lookup when the prompt is under
+predict_usage_max_tokens) and the admission layer's lookup (`AdmissionController.lookup`, as its
+`submit` calls it, with the carried hashes), against a real Gateway (`create_app`) over a real
+EmbeddedEngine whose cache holds the previous turn. The engine's model is a one-layer stand-in: no
+forward runs here, and a 450K-token KV pool of the real model would not fit a laptop. Then what
+the engine thread does with the prompt's hashes at admission (`Sequence.block_hashes`), with the
+carried hashes and without. Reported next to tokenizing the whole conversation from scratch.
 
     .venv/bin/python bench/gateway_overhead.py [--iterations 30] [--json out.json]
 """
@@ -17,15 +24,48 @@ import random
 import statistics
 import time
 
-from ikcode.cache import PrefixCache, hash_blocks
-from ikcode.gateway.block_hashes import IncrementalBlockHasher
+import torch
+
+from ikcode.admission import AdmissionConfig, AdmissionController
+from ikcode.cache import hash_blocks
+from ikcode.engines.base import EngineRequest, RequestStream
+from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from ikcode.engines.embedded.sequence import Sequence
+from ikcode.gateway.app import create_app
 from ikcode.gateway.claude_code_shape import long_conversation, tool_round
+from ikcode.gateway.messages import _render_and_lookup
 from ikcode.gateway.render import Renderer
 from ikcode.gateway.schemas import MessagesRequest
 from ikcode.gateway.server import tune_garbage_collector
+from ikcode.gateway.settings import GatewaySettings
+from ikcode.model.config import ModelConfig
 from ikcode.model.loader import load_model
 
 BLOCK_SIZE = 16
+
+
+def stand_in_engine(vocab_size: int, context_tokens: int) -> EmbeddedEngine:
+    """An EmbeddedEngine with the real cache and a one-layer model that never runs."""
+    config = ModelConfig(
+        "llama", vocab_size, 64, 128, 1, 4, 1, 16, max_position_embeddings=context_tokens, name="stand-in"
+    )
+    names = {
+        "model.embed_tokens.weight": (vocab_size, 64),
+        "model.norm.weight": (64,),
+        "lm_head.weight": (vocab_size, 64),
+        "model.layers.0.self_attn.q_proj.weight": (64, 64),
+        "model.layers.0.self_attn.k_proj.weight": (16, 64),
+        "model.layers.0.self_attn.v_proj.weight": (16, 64),
+        "model.layers.0.self_attn.o_proj.weight": (64, 64),
+        "model.layers.0.mlp.gate_proj.weight": (128, 64),
+        "model.layers.0.mlp.up_proj.weight": (128, 64),
+        "model.layers.0.mlp.down_proj.weight": (64, 128),
+        "model.layers.0.input_layernorm.weight": (64,),
+        "model.layers.0.post_attention_layernorm.weight": (64,),
+    }
+    state = {name: torch.zeros(shape) for name, shape in names.items()}
+    kv_bytes = config.kv_bytes_per_token * context_tokens
+    return EmbeddedEngine(config, state, EmbeddedEngineConfig(kv_memory_bytes=kv_bytes, device="cpu"))
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -41,7 +81,8 @@ def main() -> None:
     parser.add_argument("--json", help="write the numbers here too")
     args = parser.parse_args()
 
-    tokenizer = load_model(None).tokenizer
+    model = load_model(None)
+    tokenizer = model.tokenizer
     renderer = Renderer(tokenizer)
 
     def parse(raw: bytes):
@@ -73,19 +114,31 @@ def main() -> None:
     hash_blocks(cold.token_ids, BLOCK_SIZE)
     full_hash_s = time.perf_counter() - started
 
-    # The previous turn as the server saw it: rendered, hashed, its blocks committed to a cache.
-    hasher = IncrementalBlockHasher(BLOCK_SIZE)
-    previous = render(parse(base_raw))
-    previous_hashes = hasher.hashes(previous)
-    cache = PrefixCache(num_device_blocks=len(previous_hashes) + 4096, block_size=BLOCK_SIZE)
-    cache.allocate("previous", previous_hashes, len(previous_hashes))
-    cache.release("previous", previous_hashes)
+    # The server's parts: a Gateway over the admission layer over an EmbeddedEngine (not started:
+    # nothing is submitted); the previous turn went through the same path and its blocks are
+    # committed to the engine's cache.
+    engine = stand_in_engine(
+        model.config.vocab_size, args.target_tokens + 4 * args.tail_tokens * args.iterations
+    )
+    controller = AdmissionController(engine, AdmissionConfig())
+    gw = create_app(controller, tokenizer, GatewaySettings()).state.gateway
+    previous_body = parse(base_raw)
+    previous, _, previous_hashes = _render_and_lookup(gw, previous_body, "", "session", {})
+    assert previous_hashes is not None
+    engine.cache.allocate("previous", previous_hashes.hashes, len(previous_hashes.hashes))
+    engine.cache.release("previous", previous_hashes.hashes)
 
     # As run_server does at start: long-lived objects leave the collector's generations and young
     # collections are rarer, so a full collection does not walk them every few requests.
     tune_garbage_collector()
     rng = random.Random(7)
-    phases: dict[str, list[float]] = {"parse": [], "render": [], "hash": [], "lookup": [], "total": []}
+    phases: dict[str, list[float]] = {
+        "parse": [],
+        "render_and_lookup": [],
+        "admission_lookup": [],
+        "total": [],
+    }
+    engine_hash_ms: dict[str, list[float]] = {"carried": [], "rehashed": []}
     tail_tokens, prompt_tokens, hit_tokens = [], [], []
     for i in range(args.iterations):
         assistant, user = tool_round(rng, 10_000 + i, tail_chars)
@@ -95,18 +148,25 @@ def main() -> None:
         t0 = time.perf_counter()
         body = parse(raw)
         t1 = time.perf_counter()
-        rendered = render(body)
+        rendered, _, hashes = _render_and_lookup(gw, body, "", "session", {})
         t2 = time.perf_counter()
-        hashes = hasher.hashes(rendered)
+        match = controller.lookup(rendered.token_ids, "", hashes)
         t3 = time.perf_counter()
-        match = cache.match(hashes)
-        t4 = time.perf_counter()
-        for name, value in (("parse", t1 - t0), ("render", t2 - t1), ("hash", t3 - t2), ("lookup", t4 - t3),
-                            ("total", t4 - t0)):  # fmt: skip
+        for name, value in (("parse", t1 - t0), ("render_and_lookup", t2 - t1), ("admission_lookup", t3 - t2),
+                            ("total", t3 - t0)):  # fmt: skip
             phases[name].append(value * 1000)
         tail_tokens.append(rendered.fresh_tokens)
         prompt_tokens.append(len(rendered.token_ids))
-        hit_tokens.append(match.device_blocks * BLOCK_SIZE)
+        hit_tokens.append(match.device_tokens)
+        # The engine thread at admission: the sequence's prompt hashes, carried or computed.
+        for kind, carried in (("carried", hashes), ("rehashed", None)):
+            request = EngineRequest(f"r{i}{kind}", rendered.token_ids, block_hashes=carried)
+            seq = Sequence(
+                request, RequestStream(request.request_id), max_total_tokens=len(rendered.token_ids) + 1
+            )
+            t4 = time.perf_counter()
+            seq.block_hashes(len(rendered.token_ids), BLOCK_SIZE)
+            engine_hash_ms[kind].append((time.perf_counter() - t4) * 1000)
 
     p50 = statistics.median(phases["total"])
     report = {
@@ -123,6 +183,9 @@ def main() -> None:
         "whole_text_encode_ms": round(whole_encode_s * 1000, 1),
         "whole_text_tokens": len(whole),
         "full_hash_ms": round(full_hash_s * 1000, 1),
+        "engine_thread_prompt_hash_ms": {
+            k: round(statistics.median(v), 3) for k, v in engine_hash_ms.items()
+        },
         "speedup_vs_cold_render": round(cold_render_s * 1000 / p50, 1),
         "speedup_vs_whole_encode": round(whole_encode_s * 1000 / p50, 1),
     }
@@ -131,6 +194,9 @@ def main() -> None:
     print(f"\nwarm request overhead p50 {p50:.1f} ms, p95 {p95:.1f} ms; full re-tokenization "
           f"{whole_encode_s * 1000:.0f} ms (one encode) / {cold_render_s * 1000:.0f} ms (cold render): "
           f"{report['speedup_vs_whole_encode']}x / {report['speedup_vs_cold_render']}x")  # fmt: skip
+    carried, rehashed = (report["engine_thread_prompt_hash_ms"][k] for k in ("carried", "rehashed"))
+    print(f"engine thread, prompt hashes at admission: {carried} ms with the carried hashes "
+          f"({rehashed} ms hashing them there)")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

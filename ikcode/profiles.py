@@ -50,6 +50,11 @@ class ModelSection(_Section):
     kv_cache_mb: int = Field(512, ge=1)
     max_num_seqs: int = Field(8, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Decode weights of requests that share a batch: "int8" reads a quarter of fp32's bytes per
+    # step (CPU); see EmbeddedEngineConfig.weights.
+    weights: Literal["fp32", "int8"] = "fp32"
+    # Requests whose numbers never depend on the batch: "greedy" (temperature 0), "all", "off".
+    batch_invariance: Literal["all", "greedy", "off"] = "greedy"
     # Used when a request names no temperature (Claude Code's main loop never does).
     default_temperature: float = Field(1.0, ge=0.0, le=2.0)
     # How tool calls are written and read (gateway/tool_formats); "" = chosen from the chat template.

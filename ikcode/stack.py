@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ikcode import auth, daemon
-from ikcode.engines.base import Engine, ModelLoadError
+from ikcode.engines.base import Engine
+from ikcode.model.errors import ModelLoadError
 from ikcode.profiles import Profile
 
 log = logging.getLogger("ikcode.stack")
@@ -60,6 +61,8 @@ def _embedded_engine(profile: Profile, model_path: str | None) -> tuple[Engine, 
             max_num_seqs=profile.model.max_num_seqs,
             num_threads=profile.model.threads,
             device=profile.model.device,
+            weights=profile.model.weights,
+            batch_invariance=profile.model.batch_invariance,
             model_name=profile.served_model,
             cache_policy=str(profile.cache.get("policy", "lru")),
         ),

@@ -84,7 +84,7 @@ def test_healthy_tiny_server_passes(tokenizer, tmp_path, project):
 
 def test_cache_that_never_hits_fails_gate_and_silent_miss(tokenizer, tmp_path, project):
     # The published bug: the cache entry is finalised at the final token, nothing left to commit.
-    engine, server, token, log = start_server(tokenizer, tmp_path, commit_point="final_token")
+    engine, server, token, log = start_server(tokenizer, tmp_path, final_token_bug=True)
     try:
         results = doctor(server.url, token, project, log, only=NETWORK_CHECKS)
     finally:

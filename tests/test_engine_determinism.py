@@ -58,13 +58,13 @@ def test_batched_equals_one_at_a_time():
     alone.shutdown()
 
     batched = tiny_engine(
-        autostart=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20
+        start=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20
     )
     kv_batched = record_kv(batched)
     streams = [batched.submit(EngineRequest(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts)]
     batched.start()
     got = [s.collect(30)[0] for s in streams]
-    assert batched.max_batch_seqs >= 4  # they really ran together
+    assert max(batched.batch_sizes) >= 4  # they really ran together
     assert got == expected
     for i in range(len(prompts)):
         assert _same_kv(kv_alone[f"a{i}"], kv_batched[f"b{i}"]), f"request {i}: K/V differ in the last bits"
@@ -75,7 +75,7 @@ def test_batched_equals_one_at_a_time():
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
 def test_cached_prefix_equals_cold(architecture: str):
     rng = random.Random(7 if architecture == "llama" else 8)
-    engine = tiny_engine(architecture, autostart=False, kv_memory_bytes=1024 * 1024, max_num_seqs=6)
+    engine = tiny_engine(architecture, start=False, kv_memory_bytes=1024 * 1024, max_num_seqs=6)
     kv = record_kv(engine)
     engine.start()
     warm_hits = 0
@@ -113,7 +113,7 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     rng = random.Random(3)
     prompt = _prompt(rng, 40)
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, seed=1234, ignore_eos=True)
-    engine = tiny_engine()
+    engine = tiny_engine(batch_invariance="all")  # sampled, yet batch-independent
     first, _ = engine.submit(EngineRequest("s1", prompt, params)).collect(30)
     noise = engine.submit(EngineRequest("noise", _prompt(rng, 80), params))
     second, _ = engine.submit(EngineRequest("s2", prompt, params)).collect(30)
@@ -123,4 +123,88 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
     ).collect(30)
     assert first == second
     assert other != first
+    engine.shutdown()
+
+
+def test_greedy_requests_stay_invariant_beside_sampled_ones():
+    """The default mode: sampled requests share matmuls and one decode attention call, and the
+    greedy ones beside them still get the numbers they get alone."""
+    rng = random.Random(5)
+    prompts = [_prompt(rng, rng.randrange(5, 150)) for _ in range(4)]
+    alone = tiny_engine()
+    kv_alone = record_kv(alone)
+    expected = [alone.submit(EngineRequest(f"a{i}", p, GREEDY)).collect(30)[0] for i, p in enumerate(prompts)]
+    alone.shutdown()
+
+    mixed = tiny_engine(start=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20)
+    kv_mixed = record_kv(mixed)
+    sampled = SamplingParams(temperature=1.0, max_tokens=20, seed=7, ignore_eos=True)
+    streams = []
+    for i, p in enumerate(prompts):
+        streams.append(mixed.submit(EngineRequest(f"g{i}", p, GREEDY)))
+        mixed.submit(EngineRequest(f"s{i}", _prompt(rng, rng.randrange(5, 150)), sampled))
+    mixed.start()
+    assert [s.collect(30)[0] for s in streams] == expected
+    assert max(mixed.batch_sizes) == 8
+    for i in range(len(prompts)):
+        assert _same_kv(kv_alone[f"a{i}"], kv_mixed[f"g{i}"]), f"request {i}: K/V differ in the last bits"
+    assert_pool_clean(mixed)
+    mixed.shutdown()
+
+
+def test_shared_decode_attention_matches_alone():
+    """batch_invariance="off": decode rows of different lengths in one matmul and one padded
+    attention call give what each gives alone, up to rounding (a padding key that leaked into
+    the softmax, or a row reading another sequence's keys, would be far off)."""
+    rng = random.Random(9)
+    prompts = [_prompt(rng, n) for n in (3, 40, 17, 130, 64, 90)]
+    alone = tiny_engine(batch_invariance="off")
+    kv_alone = record_kv(alone)
+    expected = [alone.submit(EngineRequest(f"a{i}", p, GREEDY)).collect(30)[0] for i, p in enumerate(prompts)]
+    alone.shutdown()
+
+    batched = tiny_engine(
+        batch_invariance="off", start=False, max_num_seqs=8, max_prefill_tokens_per_step=512
+    )
+    kv_batched = record_kv(batched)
+    streams = [batched.submit(EngineRequest(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts)]
+    batched.start()
+    assert [s.collect(30)[0] for s in streams] == expected
+    assert max(batched.batch_sizes) == len(prompts)
+    for i in range(len(prompts)):
+        (k1, v1), (k2, v2) = kv_alone[f"a{i}"], kv_batched[f"b{i}"]
+        assert torch.allclose(k1, k2, atol=1e-4) and torch.allclose(v1, v2, atol=1e-4), f"request {i}"
+    assert_pool_clean(batched)
+    batched.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["all", "off"])
+def test_attention_reads_only_each_sequences_own_blocks(mode: str):
+    """Prompt groups padded past a sequence's keys get zero keys, and a padded decode table
+    repeats the sequence's own last block: no row ever reads another sequence's blocks."""
+    engine = tiny_engine(
+        start=False, batch_invariance=mode, kv_memory_bytes=1 << 20, max_prefill_tokens_per_step=512
+    )
+    rng = random.Random(4)
+    for i, n in enumerate((5, 70, 33)):
+        engine.submit(EngineRequest(f"r{i}", _prompt(rng, n), GREEDY))
+    with engine._lock:
+        for seq in engine._inbox:
+            engine.scheduler.add(seq)
+        engine._inbox.clear()
+    for _ in range(3):  # one prefill step, then decode steps
+        scheduled = engine.scheduler.schedule()
+        batch, _ = engine.runner.build_batch(scheduled)
+        owners = {}
+        for item in scheduled:
+            for block in item.seq.block_table:
+                owners[block] = item.seq.seq_id
+        seen = [set(s.block_ids.tolist()) for s in batch.seqs]
+        if batch.decode is not None:
+            seen += [set(row.tolist()) for row in batch.decode.block_table]
+        assert len(seen) == len(scheduled)
+        for blocks in seen:
+            assert len({owners[b] for b in blocks}) == 1, f"a row reads blocks of {blocks}"
+        engine.step()
+    engine.start()
     engine.shutdown()

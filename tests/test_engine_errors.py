@@ -70,7 +70,7 @@ def test_duplicate_request_id_is_refused(engine):
 
 
 def test_abort_waiting_and_running():
-    engine = tiny_engine(autostart=False, kv_memory_bytes=1 << 20)
+    engine = tiny_engine(start=False, kv_memory_bytes=1 << 20)
     waiting = engine.submit(EngineRequest("w", [5] * 20, OK))
     waiting.abort()
     engine.start()
@@ -138,7 +138,7 @@ def test_shutdown_drains_then_refuses():
 def test_a_submit_that_lands_after_the_last_inbox_read_is_still_ended_at_shutdown():
     # A submit can pass its shutdown check, then reach the inbox after the engine thread last
     # read it; the final abort pass must still end that stream, or its reader waits forever.
-    engine = tiny_engine(kv_memory_bytes=1 << 20, autostart=False)
+    engine = tiny_engine(kv_memory_bytes=1 << 20, start=False)
     stream = engine.submit(EngineRequest("late", [5] * 30, OK))
     engine._abort_everything()  # what the engine thread runs last, with "late" still in the inbox
     _, final = stream.collect(5)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ikcode.engines.base import EngineRequest, FinishReason, LifecycleKind, SamplingParams
-from tests.tiny_model import assert_pool_clean, tiny_engine
+from tests.tiny_model import assert_pool_clean, tiny_engine, wait_idle
 
 
 @pytest.fixture(autouse=True)
@@ -51,9 +51,53 @@ def test_release_lag_still_hits(lag: int):
 
 
 @pytest.mark.parametrize("lag", [0, 2])
-def test_commit_at_final_token_reproduces_the_silent_miss(lag: int):
-    engine = tiny_engine(release_lag_steps=lag, commit_point="final_token", kv_memory_bytes=1 << 20)
+def test_the_final_token_bug_engine_never_hits(lag: int):
+    """The stand-in for the published adapter bug (used by the doctor's tests) really misses."""
+    engine = tiny_engine(release_lag_steps=lag, final_token_bug=True, kv_memory_bytes=1 << 20)
     assert _repeat_hit_rate(engine, _prompt(10 + lag, 400)) == 0.0
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("lag", [1, 3])
+def test_commit_waits_for_release_not_the_final_token(lag: int):
+    """While a sequence is finished but not yet released (engines close a sequence steps after
+    its final token), it still holds its blocks in the cache and none of them is committed;
+    they are committed at release. Committing (or letting go of the blocks) at the final token
+    fails here even when a later repeat would still hit."""
+    engine = tiny_engine(release_lag_steps=lag, kv_memory_bytes=1 << 20, start=False)
+    prompt = _prompt(30 + lag, 200)
+    full_blocks = len(prompt) // engine.config.block_size
+    probes: list[tuple[str, int, int]] = []  # (event or "step", tokens the cache would serve, blocks held)
+    step = engine.step
+
+    def probe(what: str) -> None:
+        try:
+            held = len(engine.cache.block_table("r"))
+        except KeyError:
+            held = -1  # the cache no longer knows the sequence
+        probes.append((what, engine.lookup(prompt).cached_tokens, held))
+
+    def probed_step() -> None:
+        step()
+        finished = [e for e in events if e is LifecycleKind.FINISHED]
+        if finished and LifecycleKind.RELEASED not in events:
+            probe("step")
+
+    events: list[LifecycleKind] = []
+    engine.add_listener(lambda e: events.append(e.kind))
+    engine.add_listener(lambda e: probe(e.kind.value) if e.kind is LifecycleKind.RELEASED else None)
+    engine.step = probed_step
+    engine.start()
+    engine.submit(EngineRequest("r", prompt, SamplingParams(max_tokens=3, ignore_eos=True))).collect(30)
+    wait_idle(engine)
+    between = [p for p in probes if p[0] == "step"]
+    assert len(between) == lag, probes  # the steps between the final token and the release
+    for _, cached_tokens, held in between:
+        assert cached_tokens == 0, f"committed before release: {probes}"
+        assert held >= full_blocks, f"blocks let go before release: {probes}"
+    released = [p for p in probes if p[0] == "released"]
+    assert released and released[0][1] == full_blocks * engine.config.block_size, probes
     assert_pool_clean(engine)
     engine.shutdown()
 
@@ -76,7 +120,7 @@ def test_lookup_is_side_effect_free_and_matches_admission():
 
 
 def test_chunked_prefill_lets_a_short_request_finish_first():
-    engine = tiny_engine(autostart=False, kv_memory_bytes=1 << 20, max_prefill_tokens_per_step=32)
+    engine = tiny_engine(start=False, kv_memory_bytes=1 << 20, max_prefill_tokens_per_step=32)
     long = engine.submit(EngineRequest("long", _prompt(2, 1000), SamplingParams(max_tokens=2)))
     short = engine.submit(
         EngineRequest("short", _prompt(3, 10), SamplingParams(max_tokens=3, ignore_eos=True))
@@ -91,7 +135,7 @@ def test_chunked_prefill_lets_a_short_request_finish_first():
 
 def test_back_pressure_and_preemption_never_leak():
     # 12 blocks = 192 tokens: four requests cannot all hold their blocks at once.
-    engine = tiny_engine(autostart=False, kv_memory_bytes=12 * 8192, max_num_seqs=4)
+    engine = tiny_engine(start=False, kv_memory_bytes=12 * 8192, max_num_seqs=4)
     assert engine.num_blocks == 12
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     streams = [engine.submit(EngineRequest(f"r{i}", _prompt(20 + i, 50), params)) for i in range(4)]
@@ -130,3 +174,47 @@ def test_sequence_block_hashes_grow_incrementally_and_match_a_full_hash(salt: st
     seq.token_ids.extend(_prompt(12, 20))  # decoded tokens
     assert seq.block_hashes(len(seq.token_ids), 8) == hash_blocks(seq.token_ids, 8, salt)
     assert seq.block_hashes(17, 8) == hash_blocks(seq.token_ids[:16], 8, salt)
+
+
+def test_carried_block_hashes_spare_the_engine_thread_from_hashing(monkeypatch):
+    """A request that carries its prompt's block hashes (the gateway's incremental hasher) is
+    looked up, admitted and committed without the prompt being hashed again; hashes made for
+    another salt are ignored."""
+    from ikcode.cache import hash_blocks
+    from ikcode.engines.base import PromptBlockHashes
+    from ikcode.engines.embedded import engine as engine_module
+    from ikcode.engines.embedded import sequence as sequence_module
+
+    engine = tiny_engine(kv_memory_bytes=1 << 20)
+    bs = engine.config.block_size
+    prompt = _prompt(40, 300)
+    carried = PromptBlockHashes(bs, "", hash_blocks(prompt, bs))
+    hashed_tokens: list[int] = []
+
+    def counting(module):
+        real = module.hash_blocks
+
+        def hash_counted(tokens, *args, **kwargs):
+            hashed_tokens.append(len(tokens))
+            return real(tokens, *args, **kwargs)
+
+        monkeypatch.setattr(module, "hash_blocks", hash_counted)
+
+    counting(engine_module)
+    counting(sequence_module)
+    assert engine.lookup(prompt, "", carried).cached_tokens == 0
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    engine.submit(EngineRequest("a", prompt, params, block_hashes=carried)).collect(30)
+    assert_pool_clean(engine)
+    assert sum(hashed_tokens) <= 20 + bs, hashed_tokens  # only blocks filled by output tokens
+    assert engine.lookup(prompt, "", carried).cached_tokens == (300 // bs) * bs
+    hashed_tokens.clear()
+    longer = prompt + [7] * 40  # the carried hashes do not cover it: hashed on the engine thread
+    _, final = engine.submit(EngineRequest("b", longer, params, block_hashes=carried)).collect(30)
+    assert final.stats.cached_tokens == (300 // bs) * bs
+    assert sum(hashed_tokens) >= 340
+    hashed_tokens.clear()
+    salted = PromptBlockHashes(bs, "someone else", hash_blocks(prompt, bs, "someone else"))
+    assert engine.lookup(prompt, "", salted).cached_tokens == (300 // bs) * bs  # rehashed for ""
+    assert sum(hashed_tokens) == 300
+    engine.shutdown()

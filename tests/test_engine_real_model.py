@@ -22,6 +22,7 @@ def engine(loaded):
     e = EmbeddedEngine(
         loaded.config, loaded.state_dict, EmbeddedEngineConfig(kv_memory_bytes=1 << 30, num_threads=2)
     )
+    e.start()
     yield e
     e.shutdown(drain_timeout_s=5)
 

@@ -74,8 +74,8 @@ class ScriptedEngine:
     def abort(self, request_id: str) -> None:
         self.inner.abort(request_id)
 
-    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
-        return self.inner.lookup(prompt_token_ids, cache_salt)
+    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes=None) -> CacheLookup:
+        return self.inner.lookup(prompt_token_ids, cache_salt, block_hashes)
 
     def load(self) -> EngineLoad:
         return self.inner.load()

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from ikcode.engines.base import ModelLoadError
 from ikcode.model import default_model
 from ikcode.model.config import ModelConfig
+from ikcode.model.errors import ModelLoadError
 from ikcode.model.loader import LoadedModel, load_model
 
 pytestmark = pytest.mark.model

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from ikcode.engines.base import ModelLoadError
 from ikcode.model import weight_cache
+from ikcode.model.errors import ModelLoadError
 from ikcode.model.loader import expected_shapes, load_model
 from ikcode.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 

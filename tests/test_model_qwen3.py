@@ -20,7 +20,7 @@ import tests.test_engine_determinism as determinism
 from ikcode.engines.base import EngineRequest, SamplingParams
 from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from ikcode.model.config import ModelConfig
-from ikcode.model.llama import ForwardBatch, LlamaModel, QueryGroup, SeqAttention
+from ikcode.model.llama import ForwardBatch, LlamaModel, QueryGroup, RowGroup, SeqAttention
 from ikcode.model.loader import LoadedModel, expected_shapes, load_model
 from ikcode.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 
@@ -88,9 +88,9 @@ def model_logits(cfg: ModelConfig, state_dict: dict[str, torch.Tensor], ids: lis
     causal = torch.full((n, n), float("-inf")).triu(1).repeat(group, 1)
     rows = torch.arange(n)
     seq = SeqAttention(torch.tensor([0]), [QueryGroup(0, n, n, n, causal)], first_block=0)
-    batch = ForwardBatch(torch.tensor(ids), rows, rows, rows, [seq], [(0, n)])
+    batch = ForwardBatch(torch.tensor(ids), rows, rows, rows, [seq], [RowGroup(0, n)])
     with torch.inference_mode():
-        return model.logits(model(batch, k_pools, v_pools))
+        return model.logits(model(batch, k_pools, v_pools), [True] * n)
 
 
 def test_config_is_read_as_qwen3(loaded: LoadedModel) -> None:
@@ -125,6 +125,7 @@ def test_engine_greedy_tokens_match_transformers(loaded: LoadedModel, reference)
         loaded.state_dict,
         EmbeddedEngineConfig(kv_memory_bytes=1 << 20, num_threads=1, device="cpu"),
     )
+    engine.start()
     try:
         ours, _ = engine.submit(
             EngineRequest("q3", PROMPT, SamplingParams(max_tokens=8, ignore_eos=True))

@@ -11,7 +11,7 @@ import torch
 
 from ikcode.cache import hash_blocks
 from ikcode.engines.base import EngineRequest, SamplingParams
-from tests.tiny_model import assert_pool_clean, tiny_engine, wait_idle
+from tests.tiny_model import assert_pool_clean, block_bytes, tiny_engine, wait_idle
 
 BS = 16
 BLOCK_BYTES = 2 * 2 * 2 * 16 * BS * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
@@ -56,7 +56,7 @@ def test_promoted_blocks_are_byte_identical_and_generate_like_cold(architecture:
     keys = hash_blocks(prefix, BS)
     if write_through:  # on the host already, before any eviction
         assert engine.lookup(prefix).device_tokens == 192 and all(k in engine.cache.host.index for k in keys)
-    before = {k: engine.runner.block_bytes(engine.cache.pool.index[k]) for k in keys}
+    before = {k: block_bytes(engine, engine.cache.pool.index[k]) for k in keys}
 
     fill_device(engine, "other")
     assert engine.lookup(prefix).host_tokens == len(keys) * BS  # all demoted, none on the device
@@ -65,7 +65,7 @@ def test_promoted_blocks_are_byte_identical_and_generate_like_cold(architecture:
     tokens, stats = run(engine, "turn2", prefix + tail, max_tokens=12)
     assert (stats.cached_tokens_device, stats.cached_tokens_host) == (0, len(keys) * BS)
     for k in keys:
-        assert engine.runner.block_bytes(engine.cache.pool.index[k]) == before[k], "promoted KV differs"
+        assert block_bytes(engine, engine.cache.pool.index[k]) == before[k], "promoted KV differs"
     assert engine.cache.stats.promoted_blocks >= len(keys)
     assert_pool_clean(engine)
     engine.shutdown()

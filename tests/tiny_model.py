@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from ikcode.engines.embedded.sequence import Sequence
 from ikcode.model.config import ModelConfig
 
 TINY_VOCAB = 300
@@ -75,12 +76,66 @@ def tiny_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return sd
 
 
-def tiny_engine(architecture: str = "llama", tie: bool = False, seed: int = 0, **config) -> EmbeddedEngine:
-    """A started-on-demand EmbeddedEngine over the tiny model, one torch thread, on CPU."""
+class InstrumentedEngine(EmbeddedEngine):
+    """The production engine with what only tests need:
+    - release_lag_steps: release a finished sequence that many steps after its final token, as
+      engines that close a sequence on a later step do (the commit still happens at release);
+    - final_token_bug: the published adapter bug, the cache entry dropped when the final token
+      came out, so when the engine releases the sequence there is nothing left to commit;
+    - batch_sizes: how many sequences each forward ran (proof that requests shared a batch)."""
+
+    def __init__(self, *args, release_lag_steps: int = 0, final_token_bug: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release_lag_steps = release_lag_steps
+        self.final_token_bug = final_token_bug
+        self.batch_sizes: list[int] = []
+        run = self.runner.run
+
+        def recording_run(scheduled):
+            self.batch_sizes.append(len(scheduled))
+            return run(scheduled)
+
+        self.runner.run = recording_run
+
+    def release_step(self, seq: Sequence) -> int:
+        return self.steps + self.release_lag_steps
+
+    def blocks_to_commit(self, seq: Sequence) -> list:
+        return [] if self.final_token_bug else super().blocks_to_commit(seq)
+
+
+def tiny_engine(
+    architecture: str = "llama",
+    tie: bool = False,
+    seed: int = 0,
+    *,
+    start: bool = True,
+    release_lag_steps: int = 0,
+    final_token_bug: bool = False,
+    **config,
+) -> InstrumentedEngine:
+    """A InstrumentedEngine over the tiny model, one torch thread, on CPU; start=False leaves the engine
+    thread off, so requests submitted before start() share the first steps."""
     cfg = tiny_config(architecture, tie)
     defaults = dict(kv_memory_bytes=256 * 1024, num_threads=1, device="cpu", max_prefill_tokens_per_step=64)
     defaults.update(config)
-    return EmbeddedEngine(cfg, tiny_state_dict(cfg, seed), EmbeddedEngineConfig(**defaults))
+    engine = InstrumentedEngine(
+        cfg,
+        tiny_state_dict(cfg, seed),
+        EmbeddedEngineConfig(**defaults),
+        release_lag_steps=release_lag_steps,
+        final_token_bug=final_token_bug,
+    )
+    if start:
+        engine.start()
+    return engine
+
+
+def block_bytes(engine: EmbeddedEngine, block: int) -> bytes:
+    """Raw K and V bytes of one device block, all layers (compared bit for bit)."""
+    k = engine.runner.k_pool[:, block].contiguous().cpu()
+    v = engine.runner.v_pool[:, block].contiguous().cpu()
+    return k.numpy().tobytes() + v.numpy().tobytes()
 
 
 def wait_idle(engine: EmbeddedEngine, timeout_s: float = 10.0) -> None:

@@ -26,6 +26,7 @@ from ikcode.engines.base import (
     LifecycleEvent,
     LifecycleKind,
     LifecycleListener,
+    PromptBlockHashes,
     RequestStream,
     TokenEvent,
 )
@@ -88,7 +89,7 @@ class AdmissionController:
         if not request.prompt_token_ids:
             raise EmptyPrompt()
         request.sampling.validate()
-        lookup = self.engine.lookup(request.prompt_token_ids, request.cache_salt)
+        lookup = self.engine.lookup(request.prompt_token_ids, request.cache_salt, request.block_hashes)
         stream = RequestStream(request.request_id, on_abort=self.abort)
         with self._cv:
             if self._stopping:  # shutdown already failed the queue: nobody would end this stream
@@ -113,8 +114,10 @@ class AdmissionController:
             return
         self.engine.abort(request_id)
 
-    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
-        return self.engine.lookup(prompt_token_ids, cache_salt)
+    def lookup(
+        self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes: PromptBlockHashes | None = None
+    ) -> CacheLookup:
+        return self.engine.lookup(prompt_token_ids, cache_salt, block_hashes)
 
     def load(self) -> EngineLoad:
         load = self.engine.load()

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
+from ikcode.cache import BlockHash
+from ikcode.model.errors import ModelLoadError  # noqa: F401  (the model layer's; re-exported)
+
 
 # ---------------------------------------------------------------------------------------------
 # Errors raised at the engine boundary: typed, with the numbers, never a crash of the engine
@@ -70,10 +73,6 @@ class EngineShutdown(EngineError):
         super().__init__("engine is shutting down")
 
 
-class ModelLoadError(Exception):
-    """A model file is missing, corrupt or of an unsupported architecture (raised at start)."""
-
-
 # ---------------------------------------------------------------------------------------------
 # Requests
 # ---------------------------------------------------------------------------------------------
@@ -98,6 +97,24 @@ class SamplingParams:
             raise InvalidSampling(f"top_k must be >= 0, got {self.top_k}")
 
 
+@dataclass(frozen=True)
+class PromptBlockHashes:
+    """hash_blocks(prompt, block_size, salt) computed by the caller (the gateway hashes each
+    conversation incrementally), so that neither lookup nor the engine thread hashes the prompt
+    again. An engine whose block size or salt differs ignores them."""
+
+    block_size: int
+    cache_salt: str
+    hashes: list[BlockHash]
+
+    def usable(self, num_tokens: int, block_size: int, cache_salt: str) -> bool:
+        return (
+            self.block_size == block_size
+            and self.cache_salt == cache_salt
+            and len(self.hashes) == num_tokens // block_size
+        )
+
+
 @dataclass
 class EngineRequest:
     request_id: str
@@ -112,6 +129,7 @@ class EngineRequest:
     # keeps its blocks on the device for up to this many seconds, if its cache policy holds
     # sessions (bounded by the policy's share of the device). None = no hold.
     hold_tail_s: float | None = None
+    block_hashes: PromptBlockHashes | None = None
 
 
 def check_request(request: EngineRequest, max_prompt_tokens: int, vocab_size: int) -> None:
@@ -355,7 +373,9 @@ class Engine(Protocol):
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream gets a final event with finish_reason=ABORT."""
 
-    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
+    def lookup(
+        self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes: PromptBlockHashes | None = None
+    ) -> CacheLookup:
         """How much of this prompt is cached now, by tier. No side effects."""
 
     def load(self) -> EngineLoad: ...

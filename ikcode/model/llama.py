@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ikcode.model import int8
 from ikcode.model.config import ModelConfig
 
 QUERY_GROUP = 128  # prompt rows share an SDPA call (and a key count) per QUERY_GROUP positions
@@ -85,11 +86,14 @@ class QueryGroup:
 class SeqAttention:
     """One sequence's share of a forward: the blocks holding its keys and its query groups."""
 
-    block_ids: torch.Tensor  # long, padded with any valid block id up to the longest group's keys
+    block_ids: torch.Tensor  # long: the sequence's own blocks covering its keys, nothing else
     groups: list[QueryGroup]
     # block_ids[0] when the blocks are consecutive (block_ids[0], block_ids[0] + 1, ...): the keys
     # are then read in place (a view of the pool, same layout as a gathered copy), not copied.
     first_block: int | None = None
+    # Keys SDPA is given when a prompt group's visible_keys run past the sequence's blocks: the
+    # extra ones are zeros (masked), never another sequence's blocks.
+    num_padded_keys: int = 0
 
     def keys_and_values(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -101,7 +105,45 @@ class SeqAttention:
         else:
             k, v = k_pool[self.block_ids], v_pool[self.block_ids]
         shape = (-1, k_pool.shape[2], k_pool.shape[3])
-        return k.view(shape).transpose(0, 1).unsqueeze(0), v.view(shape).transpose(0, 1).unsqueeze(0)
+        k, v = k.view(shape), v.view(shape)
+        padding = self.num_padded_keys - k.shape[0]
+        if padding > 0:
+            k, v = F.pad(k, (0, 0, 0, 0, 0, padding)), F.pad(v, (0, 0, 0, 0, 0, padding))
+        return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+@dataclass
+class DecodeBatch:
+    """Decode rows [row_start, row_start + n): one new token for each of n sequences, attended in
+    one SDPA call over a padded block table (the throughput mode; not batch-invariant, because a
+    sequence's key count then depends on the longest one in the step)."""
+
+    row_start: int
+    block_table: torch.Tensor  # long [n, max_blocks], each row padded with its own last block
+    key_mask: torch.Tensor  # additive float [n, 1, 1, max_blocks * block_size]: -inf past its keys
+
+    def attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, num_kv_heads: int
+    ) -> torch.Tensor:
+        """q [n, heads, head_dim] -> [n, heads * head_dim]."""
+        n, heads, head_dim = q.shape
+        k = k_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # The query heads sharing a KV head as rows of one SDPA head: no K/V repeat.
+        qq = q.view(n, num_kv_heads, heads // num_kv_heads, head_dim)
+        out = F.scaled_dot_product_attention(qq, k, v, attn_mask=self.key_mask)
+        return out.reshape(n, heads * head_dim)
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows [start, end) that go through one matmul per weight."""
+
+    start: int
+    end: int
+    # Through the int8 weights when the model has them (LlamaModel.quantize_int8): never for
+    # batch-invariant rows (see int8.py).
+    quantized: bool = False
 
 
 @dataclass
@@ -110,8 +152,9 @@ class ForwardBatch:
     positions: torch.Tensor  # long [rows]
     write_rows: torch.Tensor  # long: rows whose K/V go to the pool (padding rows excluded)
     write_slots: torch.Tensor  # long: flat pool slot of each of those rows
-    seqs: list[SeqAttention]
-    row_groups: list[tuple[int, int]]  # [start, end) row ranges, one matmul each
+    seqs: list[SeqAttention]  # attended one sequence at a time
+    row_groups: list[RowGroup]
+    decode: DecodeBatch | None = None  # decode rows attended all at once
 
 
 class RMSNorm(nn.Module):
@@ -130,12 +173,19 @@ def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None)
 
 
 def grouped_linear(
-    x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, groups: list[tuple[int, int]]
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    bias: torch.Tensor | None,
+    groups: list[RowGroup],
+    packed: int8.Int8Weight | None = None,
 ) -> torch.Tensor:
-    if len(groups) == 1:
-        s, e = groups[0]
-        return linear_t(x[s:e] if (s, e) != (0, x.shape[0]) else x, weight_t, bias)
-    return torch.cat([linear_t(x[s:e], weight_t, bias) for s, e in groups])
+    def one(group: RowGroup) -> torch.Tensor:
+        rows = x if (group.start, group.end) == (0, x.shape[0]) else x[group.start : group.end]
+        if group.quantized and packed is not None:
+            return int8.linear(rows, packed)
+        return linear_t(rows, weight_t, bias)
+
+    return one(groups[0]) if len(groups) == 1 else torch.cat([one(g) for g in groups])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -163,6 +213,15 @@ class DecoderLayer(nn.Module):
         self.o_weight_t = nn.Parameter(torch.empty(q_out, cfg.hidden_size))
         self.gate_up_weight_t = nn.Parameter(torch.empty(cfg.hidden_size, 2 * cfg.intermediate_size))
         self.down_weight_t = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
+        self.packed: dict[str, int8.Int8Weight] = {}  # int8 copies (quantize_int8)
+
+    def quantize_int8(self) -> None:
+        self.packed = {
+            "qkv": int8.pack(self.qkv_weight_t, self.qkv_bias),
+            "o": int8.pack(self.o_weight_t),
+            "gate_up": int8.pack(self.gate_up_weight_t),
+            "down": int8.pack(self.down_weight_t),
+        }
 
     def attention(
         self,
@@ -174,7 +233,7 @@ class DecoderLayer(nn.Module):
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
         rows = x.shape[0]
-        qkv = grouped_linear(x, self.qkv_weight_t, self.qkv_bias, batch.row_groups)
+        qkv = grouped_linear(x, self.qkv_weight_t, self.qkv_bias, batch.row_groups, self.packed.get("qkv"))
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm_weight is not None:
@@ -204,11 +263,18 @@ class DecoderLayer(nn.Module):
                 o = F.scaled_dot_product_attention(qq, kk[:, :, :keys], vv[:, :, :keys], attn_mask=g.mask)
                 o = o.view(kvh, group, qrows, hd)[:, :, :n].permute(2, 0, 1, 3)
                 out[r0 : r0 + n] = o.reshape(n, self.q_size)
-        return grouped_linear(out, self.o_weight_t, None, batch.row_groups)
+        if batch.decode is not None:
+            d0 = batch.decode.row_start
+            d1 = d0 + batch.decode.block_table.shape[0]
+            out[d0:d1] = batch.decode.attend(q[d0:d1], k_pool, v_pool, kvh)
+        return grouped_linear(out, self.o_weight_t, None, batch.row_groups, self.packed.get("o"))
 
-    def mlp(self, x: torch.Tensor, groups: list[tuple[int, int]]) -> torch.Tensor:
-        gate, up = grouped_linear(x, self.gate_up_weight_t, None, groups).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate).mul_(up), self.down_weight_t, None, groups)
+    def mlp(self, x: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
+        packed = self.packed
+        gate, up = grouped_linear(x, self.gate_up_weight_t, None, groups, packed.get("gate_up")).chunk(
+            2, dim=-1
+        )
+        return grouped_linear(F.silu(gate).mul_(up), self.down_weight_t, None, groups, packed.get("down"))
 
     def forward(
         self,
@@ -240,6 +306,16 @@ class LlamaModel(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
         self.register_buffer("rope_sin", emb.sin(), persistent=False)
+        self.lm_head_packed: int8.Int8Weight | None = None
+
+    def quantize_int8(self) -> int:
+        """Add int8 copies of every matmul weight (fp32 stays for batch-invariant rows); returns
+        the bytes they take."""
+        for layer in self.layers:
+            layer.quantize_int8()
+        self.lm_head_packed = int8.pack(self.lm_head_t)
+        packs = [self.lm_head_packed] + [p for layer in self.layers for p in layer.packed.values()]
+        return sum(p.nbytes for p in packs)
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take weights named as Hugging Face names them (q/k already in rotate-half order)."""
@@ -279,9 +355,21 @@ class LlamaModel(nn.Module):
             x = layer(x, batch, cos, sin, k_pools[i], v_pools[i])
         return x
 
-    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        """Logits of the selected rows, each row in its own one-row matmul: the same kernel whatever
-        else samples in the step (batch-invariant), and with [in, out] weights a one-row matmul is
-        as fast per row as a 4-row one, so nothing is lost."""
+    def logits(self, hidden_rows: torch.Tensor, alone: list[bool]) -> torch.Tensor:
+        """Logits of the selected rows. A row marked alone goes through its own one-row fp32
+        matmul (the same kernel whatever else samples in the step: batch-invariant; with [in, out]
+        weights a one-row matmul streams the 49,152-column output layer about as fast per row as
+        a 4-row one); the others share one matmul (int8 when quantized), so the output layer is
+        read once for all of them."""
         h = self.norm(hidden_rows)
-        return torch.cat([torch.mm(h[i : i + 1], self.lm_head_t) for i in range(h.shape[0])])
+        out = torch.empty(h.shape[0], self.lm_head_t.shape[1], dtype=h.dtype, device=h.device)
+        shared = [i for i, a in enumerate(alone) if not a]
+        if shared:
+            index = torch.tensor(shared, device=h.device)
+            rows = h[index]
+            packed = self.lm_head_packed
+            out[index] = int8.linear(rows, packed) if packed is not None else torch.mm(rows, self.lm_head_t)
+        for i, a in enumerate(alone):
+            if a:
+                out[i] = torch.mm(h[i : i + 1], self.lm_head_t)[0]
+        return out

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from ikcode.engines.base import ModelLoadError
 from ikcode.model import default_model, weight_cache
 from ikcode.model.config import ModelConfig
+from ikcode.model.errors import ModelLoadError
 from ikcode.model.tokenizer import Tokenizer
 
 

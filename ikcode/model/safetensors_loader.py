@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ikcode.engines.base import ModelLoadError
 from ikcode.model.config import ModelConfig
+from ikcode.model.errors import ModelLoadError
 from ikcode.model.tokenizer import Tokenizer
 
 _MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}

@@ -15,7 +15,7 @@ from functools import lru_cache
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from ikcode.engines.base import ModelLoadError
+from ikcode.model.errors import ModelLoadError
 from ikcode.model.incremental_decoder import IncrementalDecoder
 
 __all__ = ["Tokenizer", "IncrementalDecoder", "CHATML_TEMPLATE", "byte_level_alphabet"]

@@ -184,8 +184,9 @@ class DeepInferEngine:
             except OSError:
                 pass
 
-    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
+    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes=None) -> CacheLookup:
         """What the best rank holds for this prompt, as it would be resumed."""
+        # block_hashes (the gateway's, at its block size) go unused: the ranks key by their grain.
         best = CacheLookup(prompt_tokens=len(prompt_token_ids))
         if not self.ranks or self.failure:
             return best

@@ -19,19 +19,16 @@ class EmbeddedEngineConfig:
     num_threads: int | None = None  # torch.set_num_threads; None leaves torch's default
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when present)
     model_name: str | None = None  # served name; default: the ModelConfig's name
-    # Rows of the model's matmuls are grouped so that a token's numbers never depend on what else
-    # is in the batch: prompt rows in matmuls of a multiple of 4 rows, each decode row alone
-    # (see ikcode/model/llama.py). False: one matmul per step (more throughput with many
-    # concurrent decodes, but temperature-0 outputs may then differ in rare near-ties).
-    batch_invariant: bool = True
+    # Which requests get numbers that never depend on what else is in the batch (their prompt rows
+    # in matmuls of a multiple of 4 rows, each decode row in its own one-row matmul and attention;
+    # see ikcode/model/llama.py): "all", "greedy" (temperature 0: the quality gate's cached ==
+    # cold check, reproducible answers) or "off". Other decode rows share one matmul per weight
+    # and one attention call: the weights are read once per step for all of them.
+    batch_invariance: Literal["all", "greedy", "off"] = "greedy"
+    # "int8": the decode rows that share a matmul read int8 copies of the weights (a quarter of the
+    # bytes; ikcode/model/int8.py), CPU only; fp32 stays for prompts and batch-invariant rows.
+    weights: Literal["fp32", "int8"] = "fp32"
     cache_policy: str = "lru"
-    # Test knobs reproducing engines that release a sequence after its final token.
-    release_lag_steps: int = 0  # release a finished sequence N engine steps after its final token
-    # "release": commit cache entries when the engine releases the sequence (correct).
-    # "final_token": the entry is finalised at the final token while the engine still holds the
-    # sequence, so nothing is left to commit at release: the published silent-miss bug.
-    commit_point: Literal["release", "final_token"] = "release"
-    autostart: bool = True  # submit() starts the engine thread (tests turn it off to batch requests)
     idle_wait_s: float = 0.05  # how long the idle engine thread sleeps between inbox checks
 
     def validate(self) -> None:
@@ -41,7 +38,7 @@ class EmbeddedEngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_prefill_tokens_per_step <= 0:
             raise ValueError("max_prefill_tokens_per_step must be >= 1")
-        if self.release_lag_steps < 0:
-            raise ValueError("release_lag_steps must be >= 0")
-        if self.commit_point not in ("release", "final_token"):
-            raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")
+        if self.batch_invariance not in ("all", "greedy", "off"):
+            raise ValueError(f"batch_invariance must be all, greedy or off, got {self.batch_invariance!r}")
+        if self.weights not in ("fp32", "int8"):
+            raise ValueError(f"weights must be fp32 or int8, got {self.weights!r}")

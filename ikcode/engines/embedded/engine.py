@@ -5,9 +5,11 @@ caller's thread (typed errors with the numbers) and hands the sequence over thro
 Each step: schedule, one forward over the batch, sample, emit events, release what is due.
 
 Lifecycle: FINISHED (last token out) comes before RELEASED (blocks back to the cache, cache
-entries committed). `release_lag_steps` delays the release by N steps, as some engines do; the
-commit still happens at release, so repeats still hit. `commit_point="final_token"` reproduces the
-published bug (the entry is finalised at the final token, nothing is left to commit at release).
+entries committed). Until release the sequence keeps its blocks, and nothing of it is committed:
+committing at the final token, while an engine still holds the sequence, is the published
+silent-miss bug. `release_step` says when a finished sequence is released (at the end of its last
+step here; engines that close a sequence steps later are reproduced by overriding it) and
+`blocks_to_commit` what is committed then.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections import deque
 
 import torch
 
-from ikcode.cache import PrefixCache, blocks_for_budget, hash_blocks, kv_bytes_per_block
+from ikcode.cache import BlockHash, PrefixCache, blocks_for_budget, hash_blocks, kv_bytes_per_block
 from ikcode.engines.base import (
     CacheLookup,
     EngineError,
@@ -32,6 +34,7 @@ from ikcode.engines.base import (
     LifecycleEvent,
     LifecycleKind,
     LifecycleListener,
+    PromptBlockHashes,
     RequestStream,
     TokenEvent,
     check_request,
@@ -43,7 +46,7 @@ from ikcode.engines.embedded.scheduler import Scheduler, committable_hashes
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
 from ikcode.model.config import ModelConfig
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,7 +84,14 @@ class EmbeddedEngine:
             else 0
         )
         self.runner = ModelRunner(
-            mc, state_dict, self.num_blocks, num_host, bs, self.device, config.batch_invariant
+            mc,
+            state_dict,
+            self.num_blocks,
+            num_host,
+            bs,
+            self.device,
+            config.batch_invariance,
+            config.weights,
         )
         # A tier's budget is a ceiling: check it against the tensors actually allocated.
         for tier, used, budget in (
@@ -125,7 +135,6 @@ class EmbeddedEngine:
         self._stopping = False
         self._abort_all = False
         self.steps = 0
-        self.max_batch_seqs = 0  # most sequences run in one step so far (tests, diagnostics)
 
     # ---- Engine protocol ---------------------------------------------------------------------
     @property
@@ -167,8 +176,6 @@ class EmbeddedEngine:
                 raise EngineError(f"request id {request.request_id!r} is already in use")
             self._live[request.request_id] = seq
             self._inbox.append(seq)
-        if self.config.autostart:
-            self.start()
         self._wake.set()
         return stream
 
@@ -177,9 +184,14 @@ class EmbeddedEngine:
             self._aborts.append(request_id)
         self._wake.set()
 
-    def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
+    def lookup(
+        self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes: PromptBlockHashes | None = None
+    ) -> CacheLookup:
         bs = self.config.block_size
-        hashes = hash_blocks(prompt_token_ids, bs, cache_salt)
+        if block_hashes is not None and block_hashes.usable(len(prompt_token_ids), bs, cache_salt):
+            hashes = block_hashes.hashes
+        else:
+            hashes = hash_blocks(prompt_token_ids, bs, cache_salt)
         with self._lock:
             m = self.cache.match(hashes)
         device = min(m.device_blocks * bs, len(prompt_token_ids))
@@ -227,14 +239,15 @@ class EmbeddedEngine:
                 self._wake.clear()
                 continue
             try:
-                self._step()
+                self.step()
             except Exception as exc:  # never let the thread die: fail what was running
-                log.exception("engine step failed")
+                logger.exception("engine step failed")
                 for seq in list(self.scheduler.running):
                     self._fail(seq, exc)
 
     @torch.inference_mode()
-    def _step(self) -> None:
+    def step(self) -> None:
+        """One engine step: schedule, one forward over the batch, sample, release what is due."""
         self.steps += 1
         with self._lock:
             scheduled = self.scheduler.schedule()
@@ -244,11 +257,10 @@ class EmbeddedEngine:
         for seq in admitted:
             self._emit(LifecycleKind.ADMITTED, seq)
         if scheduled:
-            self.max_batch_seqs = max(self.max_batch_seqs, len(scheduled))
             try:
                 logits, which = self.runner.run(scheduled)
             except Exception as exc:
-                log.exception("forward failed for %d sequences", len(scheduled))
+                logger.exception("forward failed for %d sequences", len(scheduled))
                 for item in scheduled:
                     self._fail(item.seq, exc)
             else:
@@ -312,15 +324,22 @@ class EmbeddedEngine:
             self._forget(seq)  # never held blocks
             return
         if error is not None:
-            seq.drop_commit = True  # its K/V may be garbage: free without committing
-            self._release(seq)
+            self._release(seq, commit=False)  # its K/V may be garbage: free without committing
         elif reason is FinishReason.ABORT:
             self._release(seq)
         else:
-            if self.config.commit_point == "final_token":
-                seq.drop_commit = True  # the bug: entry finalised while the engine still holds seq
-            seq.release_at_step = self.steps + self.config.release_lag_steps
+            seq.release_at_step = self.release_step(seq)
             self._pending_release.append(seq)
+
+    # ---- what a finished sequence gives back, and when (subclasses reproduce other engines) ---
+    def release_step(self, seq: Sequence) -> int:
+        """The step at whose end a finished sequence is released: the step of its final token."""
+        return self.steps
+
+    def blocks_to_commit(self, seq: Sequence) -> list[BlockHash]:
+        """Keys of seq's blocks committed to the cache at its release: the full blocks whose K/V
+        is valid."""
+        return committable_hashes(seq, self.config.block_size)
 
     def _release_due(self) -> None:
         due = [s for s in self._pending_release if s.release_at_step <= self.steps]
@@ -329,8 +348,8 @@ class EmbeddedEngine:
             for seq in due:
                 self._release(seq)
 
-    def _release(self, seq: Sequence) -> None:
-        committed = [] if seq.drop_commit else committable_hashes(seq, self.config.block_size)
+    def _release(self, seq: Sequence, commit: bool = True) -> None:
+        committed = self.blocks_to_commit(seq) if commit else []
         request = seq.request
         # A hold only for a normal finish: an aborted or failed request's client is gone.
         normal = seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
@@ -383,4 +402,4 @@ class EmbeddedEngine:
             try:
                 listener(event)
             except Exception:
-                log.exception("lifecycle listener failed")
+                logger.exception("lifecycle listener failed")

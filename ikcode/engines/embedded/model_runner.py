@@ -7,18 +7,25 @@ from a host tensor of the same layout).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ikcode.engines.embedded.scheduler import ScheduledSeq
+from ikcode.engines.embedded.sequence import Sequence
 from ikcode.model.config import ModelConfig
 from ikcode.model.llama import (
+    DecodeBatch,
     ForwardBatch,
     LlamaModel,
     QueryGroup,
+    RowGroup,
     SeqAttention,
     padded_query_rows,
     visible_keys,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -30,15 +37,22 @@ class ModelRunner:
         num_host_blocks: int,
         block_size: int,
         device: torch.device,
-        batch_invariant: bool,
+        batch_invariance: str,
+        weights: str = "fp32",
     ):
         self.cfg = cfg
         self.device = device
         self.block_size = block_size
-        self.batch_invariant = batch_invariant
+        self.batch_invariance = batch_invariance
         model = LlamaModel(cfg)
         model.load_hf_state_dict(state_dict)
         self.model = model.to(device).eval().requires_grad_(False)
+        self.int8_weight_bytes = 0
+        if weights == "int8":
+            if device.type != "cpu":  # fbgemm's kernels are CPU kernels
+                logger.warning("int8 weights are a CPU feature; %s keeps fp32", device)
+            else:
+                self.int8_weight_bytes = self.model.quantize_int8()
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_pool = torch.zeros(shape, dtype=torch.float32, device=device)
         self.v_pool = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -66,12 +80,6 @@ class ModelRunner:
     def host_pinned(self) -> bool:
         return self.k_host is not None and self.k_host.is_pinned()
 
-    def block_bytes(self, block: int) -> bytes:
-        """Raw K and V bytes of one device block, all layers (tests compare them bit for bit)."""
-        k = self.k_pool[:, block].contiguous().cpu()
-        v = self.v_pool[:, block].contiguous().cpu()
-        return k.numpy().tobytes() + v.numpy().tobytes()
-
     # ---- KVStore ---------------------------------------------------------------------------
     def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
         assert self.k_host is not None and self.v_host is not None
@@ -88,85 +96,103 @@ class ModelRunner:
         self.v_pool[:, dev] = self.v_host[:, host].to(self.device)
 
     # ---- one step --------------------------------------------------------------------------
+    def is_invariant(self, seq: Sequence) -> bool:
+        """Whether seq's numbers must not depend on the batch (see EmbeddedEngineConfig)."""
+        mode = self.batch_invariance
+        return mode == "all" or (mode == "greedy" and seq.request.sampling.temperature == 0)
+
     def build_batch(self, scheduled: list[ScheduledSeq]) -> tuple[ForwardBatch, list[int]]:
-        """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none)."""
-        bs, cfg = self.block_size, self.cfg
-        group = cfg.num_heads // cfg.num_kv_heads
-        # Prompt (prefill) rows first, then decode rows, so prompt rows share one matmul.
-        prefill = [s for s in scheduled if not (self.batch_invariant and s.seq.is_decoding)]
-        decode = [s for s in scheduled if self.batch_invariant and s.seq.is_decoding]
-        ids: list[int] = []
-        pos: list[int] = []
-        write_slots: list[int] = []
-        seqs: list[SeqAttention] = []
-        sample_row: dict[int, int] = {}
-        groups: list[tuple[int, int]] = []
+        """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none).
 
-        def add(item: ScheduledSeq) -> None:
-            seq, n = item.seq, item.num_tokens
-            start = seq.num_computed_tokens
-            row0, keys = len(ids), start + n
-            ids.extend(seq.token_ids[start:keys])
-            pos.extend(range(start, keys))
-            table = seq.block_table
-            write_slots.extend(table[p // bs] * bs + p % bs for p in range(start, keys))
-            if seq.is_decoding:
-                # One query over exactly its keys: no padding, no mask (see llama.py).
-                blocks = table[: -(-keys // bs)]
-                seqs.append(self._seq_attention(blocks, [QueryGroup(row0, 1, 1, keys, None)]))
-            else:
-                seqs.append(self._prompt_attention(table, row0, start, n, group))
-            if keys == len(seq.token_ids):
-                sample_row[id(seq)] = row0 + n - 1
-
-        for item in prefill:
-            add(item)
-        num_real = len(ids)
-        if prefill:
-            if self.batch_invariant and len(ids) % 4:
-                pad = 4 - len(ids) % 4
-                ids.extend([0] * pad)
-                pos.extend([0] * pad)
-            groups.append((0, len(ids)))
-        write_rows = list(range(num_real))
-        for item in decode:
-            write_rows.append(len(ids))
-            add(item)
-            groups.append((len(ids) - 1, len(ids)))
+        Rows, in order, each part one matmul per weight:
+        1. prompt chunks, always batch-invariant (fp32, a multiple of 4 rows; llama.py), so a
+           cached prompt block holds the same K/V whichever request computed it;
+        2. decode rows that may vary with the batch: the weights (int8 when quantized) are read
+           once for all of them, and they attend in one call over a padded block table;
+        3. each batch-invariant decode row alone (fp32 one-row matmul, attention over exactly its
+           keys)."""
+        rows = _Rows(self.block_size)
+        prefills = [s for s in scheduled if not s.seq.is_decoding]
+        decodes = [s for s in scheduled if s.seq.is_decoding]
+        for item in prefills:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            row0 = rows.add_tokens(seq, start, start + item.num_tokens)
+            rows.seqs.append(self._prompt_attention(seq.block_table, row0, start, item.num_tokens))
+        if rows.ids:
+            rows.pad_to_multiple(4)
+            rows.row_groups.append(RowGroup(0, len(rows.ids)))
+        first_shared = len(rows.ids)
+        decode = self._add_shared_decodes(rows, [s for s in decodes if not self.is_invariant(s.seq)])
+        if decode is not None:
+            rows.row_groups.append(RowGroup(first_shared, len(rows.ids), quantized=True))
+        for item in decodes:
+            if self.is_invariant(item.seq):
+                self._add_decode_alone(rows, item)
         batch = ForwardBatch(
-            self._ids(ids), self._ids(pos), self._ids(write_rows), self._ids(write_slots), seqs, groups
+            self._ids(rows.ids),
+            self._ids(rows.positions),
+            self._ids(rows.write_rows),
+            self._ids(rows.write_slots),
+            rows.seqs,
+            rows.row_groups,
+            decode,
         )
-        return batch, [sample_row.get(id(s.seq), -1) for s in scheduled]
+        return batch, [rows.sample_rows.get(id(s.seq), -1) for s in scheduled]
 
-    def _prompt_attention(self, table: list[int], row0: int, start: int, n: int, group: int) -> SeqAttention:
+    def _add_shared_decodes(self, rows: _Rows, items: list[ScheduledSeq]) -> DecodeBatch | None:
+        """One new token per sequence, attended in one call over a padded block table."""
+        if not items:
+            return None
+        first_row = len(rows.ids)
+        num_keys = []
+        for item in items:
+            position = item.seq.num_computed_tokens
+            rows.add_tokens(item.seq, position, position + 1)
+            num_keys.append(position + 1)
+        max_blocks = -(-max(num_keys) // self.block_size)
+        table = []
+        for item in items:
+            own = item.seq.block_table[:max_blocks]
+            table.append(own + [own[-1]] * (max_blocks - len(own)))  # padding: its own (masked) block
+        max_keys = max_blocks * self.block_size
+        past_end = torch.arange(max_keys).unsqueeze(0) >= torch.tensor(num_keys).unsqueeze(1)
+        mask = torch.zeros(len(items), max_keys).masked_fill_(past_end, float("-inf"))
+        return DecodeBatch(
+            first_row,
+            torch.tensor(table, dtype=torch.long, device=self.device),
+            mask.view(len(items), 1, 1, max_keys).to(self.device),
+        )
+
+    def _add_decode_alone(self, rows: _Rows, item: ScheduledSeq) -> None:
+        """A one-row matmul and one query over exactly its keys: no padding, no mask."""
+        seq = item.seq
+        num_keys = seq.num_computed_tokens + 1
+        row = rows.add_tokens(seq, num_keys - 1, num_keys)
+        blocks = seq.block_table[: -(-num_keys // self.block_size)]
+        rows.seqs.append(self._seq_attention(blocks, [QueryGroup(row, 1, 1, num_keys, None)]))
+        rows.row_groups.append(RowGroup(row, row + 1))
+
+    def _prompt_attention(self, table: list[int], row0: int, start: int, n: int) -> SeqAttention:
         """Rows start..start+n of a prompt, grouped by the keys they are given (llama.visible_keys)."""
+        group = self.cfg.num_heads // self.cfg.num_kv_heads
         groups: list[QueryGroup] = []
         p = start
         while p < start + n:
             num_keys = visible_keys(p)
-            rows = min(start + n, num_keys) - p
-            qrows = padded_query_rows(rows, group) if self.batch_invariant else rows
-            mask = self._mask(p, rows, qrows, num_keys, group)
-            groups.append(QueryGroup(row0 + p - start, rows, qrows, num_keys, mask))
-            p += rows
-        bs = self.block_size
-        blocks = table[: -(-(start + n) // bs)]
-        # Padding blocks only hold masked keys: any block will do (pool values are always finite:
-        # zeros or K/V the model wrote); the next ones keep a run of consecutive blocks whole.
-        num_padding = -(-num_keys // bs) - len(blocks)
-        after = blocks[-1] + 1
-        if after + num_padding <= self.k_pool.shape[1]:
-            blocks = blocks + list(range(after, after + num_padding))
-        else:
-            blocks = blocks + [blocks[0]] * num_padding
-        return self._seq_attention(blocks, groups)
+            num_rows = min(start + n, num_keys) - p
+            query_rows = padded_query_rows(num_rows, group)
+            mask = self._mask(p, num_rows, query_rows, num_keys, group)
+            groups.append(QueryGroup(row0 + p - start, num_rows, query_rows, num_keys, mask))
+            p += num_rows
+        blocks = table[: -(-(start + n) // self.block_size)]
+        return self._seq_attention(blocks, groups, num_padded_keys=groups[-1].num_keys)
 
-    def _seq_attention(self, blocks: list[int], groups: list[QueryGroup]) -> SeqAttention:
+    def _seq_attention(
+        self, blocks: list[int], groups: list[QueryGroup], num_padded_keys: int = 0
+    ) -> SeqAttention:
         first = blocks[0]
-        consecutive = blocks[-1] - first == len(blocks) - 1 and blocks == list(
-            range(first, first + len(blocks))
-        )
-        return SeqAttention(self._ids(blocks), groups, first if consecutive else None)
+        consecutive = blocks == list(range(first, first + len(blocks)))
+        return SeqAttention(self._ids(blocks), groups, first if consecutive else None, num_padded_keys)
 
     def _ids(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
@@ -188,5 +214,38 @@ class ModelRunner:
         which = [i for i, r in enumerate(rows) if r >= 0]
         if not which:
             return torch.empty(0, self.cfg.vocab_size), []
-        picked = hidden[self._ids([rows[i] for i in which])]
-        return self.model.logits(picked).float().cpu(), which
+        picked = [rows[i] for i in which]
+        alone = [self.is_invariant(scheduled[i].seq) for i in which]
+        logits = self.model.logits(hidden[self._ids(picked)], alone)
+        return logits.float().cpu(), which
+
+
+class _Rows:
+    """The flat batch while it is built: token rows, where their K/V go, what attends how."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.write_rows: list[int] = []
+        self.write_slots: list[int] = []
+        self.seqs: list[SeqAttention] = []
+        self.row_groups: list[RowGroup] = []
+        self.sample_rows: dict[int, int] = {}  # id(sequence) -> the row its next token comes from
+
+    def add_tokens(self, seq: Sequence, start: int, end: int) -> int:
+        """Rows for seq's tokens start..end (K/V written to its blocks); returns the first row."""
+        row0, bs, table = len(self.ids), self.block_size, seq.block_table
+        self.ids.extend(seq.token_ids[start:end])
+        self.positions.extend(range(start, end))
+        self.write_rows.extend(range(row0, row0 + end - start))
+        self.write_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if end == len(seq.token_ids):
+            self.sample_rows[id(seq)] = row0 + end - start - 1
+        return row0
+
+    def pad_to_multiple(self, multiple: int) -> None:
+        """Padding rows: computed, never written to the pool, never sampled."""
+        pad = -len(self.ids) % multiple
+        self.ids.extend([0] * pad)
+        self.positions.extend([0] * pad)

@@ -32,7 +32,6 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     release_at_step: int = 0
-    drop_commit: bool = False  # the entry was finalised early (commit_point="final_token")
     num_preemptions: int = 0
     # Chained keys of the full blocks hashed so far. token_ids only ever grow, so a key once
     # computed stays right: admission retries (back-pressure), preemption and release reuse them.
@@ -68,9 +67,14 @@ class Sequence:
         return len(self.token_ids) - self.num_computed_tokens
 
     def block_hashes(self, num_tokens: int, block_size: int) -> list[BlockHash]:
-        """Keys of the full blocks among the first num_tokens tokens (hashed once each)."""
+        """Keys of the full blocks among the first num_tokens tokens (hashed once each; the
+        prompt's come with the request when the caller hashed it already)."""
         full = num_tokens // block_size
         known = self._block_hashes
+        given = self.request.block_hashes
+        if not known and given is not None:
+            if given.usable(self.num_prompt_tokens, block_size, self.request.cache_salt):
+                known.extend(given.hashes)
         if len(known) < full:
             start = len(known) * block_size
             chunk = self.token_ids[start : full * block_size]

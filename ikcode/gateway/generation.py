@@ -202,6 +202,8 @@ class Generation:
                 logger.exception("could not remember the reply of %s", self.request_id)
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
         gw.metrics.observe_generation(self.stats, ttft, len(self.builder.generated_ids))
+        if self.record.get("compaction"):
+            gw.metrics.observe_compaction(self.stats, ttft, len(self.builder.generated_ids))
         self._write_record(ttft)
 
     def _write_record(self, ttft: float | None) -> None:

@@ -23,6 +23,13 @@ class GatewaySettings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_concurrent_requests: int | None = None  # beyond it: 429 with retry-after
     default_temperature: float = 1.0  # the Messages API default
+    # Server-side repetition penalties (the Messages API has no field for them); off by default.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # Output cap of Claude Code's compaction (summary) requests; None: only max_output_tokens.
+    summary_max_tokens: int | None = None
     cache_salt_per_user: bool = False  # isolate each auth token's cache entries
     # message_start carries the engine's cache prediction (engine.lookup hashes the whole prompt)
     # up to this prompt size; above it only the final message_delta usage has the cache figures.

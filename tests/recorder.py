@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -11,9 +12,9 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def canned_stream(model: str, text: str = "hi there") -> bytes:
+def canned_stream(model: str, text: str = "hi there", input_tokens: int = 10) -> bytes:
     usage = {
-        "input_tokens": 10,
+        "input_tokens": input_tokens,
         "output_tokens": 0,
         "cache_read_input_tokens": 0,
         "cache_creation_input_tokens": 0,
@@ -54,10 +55,16 @@ def canned_stream(model: str, text: str = "hi there") -> bytes:
 
 
 class Recorder:
-    """Records every request (method, path, headers, JSON body) and answers with canned data."""
+    """Records every request (method, path, headers, JSON body) and answers with canned data.
 
-    def __init__(self) -> None:
+    input_tokens: the prompt size the answers report, fixed or computed from the request body
+    (to see what the client does when it believes its conversation has reached a given size).
+    """
+
+    def __init__(self, input_tokens: int | Callable[[dict], int] = 10, text: str = "hi there") -> None:
         self.requests: list[dict] = []
+        self.input_tokens = input_tokens
+        self.text = text
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -96,8 +103,11 @@ class Recorder:
                 entry = self._record()
                 if self.path.split("?")[0].endswith("/v1/messages"):
                     model = (entry["body"] or {}).get("model", "?")
+                    reported = recorder.input_tokens
+                    if callable(reported):
+                        reported = reported(entry["body"] or {})
                     if (entry["body"] or {}).get("stream"):
-                        payload = canned_stream(model)
+                        payload = canned_stream(model, recorder.text, reported)
                         self.send_response(200)
                         self.send_header("Content-Type", "text/event-stream")
                         self.send_header("Content-Length", str(len(payload)))
@@ -111,10 +121,10 @@ class Recorder:
                             "type": "message",
                             "role": "assistant",
                             "model": model,
-                            "content": [{"type": "text", "text": "hi there"}],
+                            "content": [{"type": "text", "text": recorder.text}],
                             "stop_reason": "end_turn",
                             "stop_sequence": None,
-                            "usage": {"input_tokens": 10, "output_tokens": 3},
+                            "usage": {"input_tokens": reported, "output_tokens": 3},
                         },
                     )
                     return

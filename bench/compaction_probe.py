@@ -86,6 +86,38 @@ def probe(claude: str, window: int, max_output: int, extra: dict[str, str], size
     return {"outcome": outcome, "stderr": (first.stderr + second.stderr).strip()}
 
 
+def reactive(claude: str, window: int, max_output: int, extra: dict[str, str]) -> dict:
+    """Turn 2's question is answered "prompt is too long" (as the gateway says it) once: does the
+    client compact and ask again, and does the turn end well?"""
+    refused: list[dict] = []
+
+    def too_long(body: dict) -> tuple[int, dict] | None:
+        if refused or is_summary_request(body) or len(body.get("messages") or []) < 3:
+            return None
+        refused.append(body)
+        message = f"prompt is too long: {window + 100} tokens > {window - 1} maximum"
+        return 400, {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+
+    with tempfile.TemporaryDirectory(prefix="ikcode-probe-") as tmp:
+        home, project = Path(tmp) / "home", Path(tmp) / "project"
+        home.mkdir()
+        project.mkdir()
+        trust = {"hasCompletedOnboarding": True, "projects": {str(project): {"hasTrustDialogAccepted": True}}}
+        (home / ".claude.json").write_text(json.dumps(trust))
+        with Recorder(error=too_long) as recorder:
+            env = _client_env(home, recorder.url, window, max_output, extra)
+            _run(claude, env, project, "hello", cont=False)
+            before = len(recorder.requests)
+            second = _run(claude, env, project, "and again", cont=True)
+            posts = [r["body"] for r in recorder.requests[before:] if r["method"] == "POST" and r["body"]]
+    kinds = ["summary" if is_summary_request(b) else "turn" for b in posts]
+    return {
+        "requests": kinds,
+        "exit": second.returncode,
+        "too_long_shown": "prompt is too long" in second.stdout,
+    }
+
+
 def threshold(
     claude: str, window: int, max_output: int, extra: dict[str, str], high: int
 ) -> tuple[int | None, dict]:
@@ -112,12 +144,22 @@ def main() -> None:
     parser.add_argument("--claude", required=True, help="path of the claude executable")
     parser.add_argument("--window", type=int, action="append", required=True)
     parser.add_argument("--max-output", type=int, default=1024)
+    parser.add_argument("--reactive", action="store_true", help="answer turn 2 'prompt is too long' once")
     parser.add_argument("--set", action="append", default=[], help="NAME=VALUE on top of the launcher's env")
     args = parser.parse_args()
     args.claude = str(Path(args.claude).resolve())
     version = subprocess.run([args.claude, "--version"], capture_output=True, text=True).stdout.strip()
     extra = dict(item.split("=", 1) for item in args.set)
     for window in args.window:
+        if args.reactive:
+            found = reactive(args.claude, window, args.max_output, extra)
+            print(
+                f"client {version} window {window}: after one 'prompt is too long' the client sent "
+                f"{' -> '.join(found['requests'])}; exit {found['exit']}; error shown to the user: "
+                f"{found['too_long_shown']}",
+                flush=True,
+            )
+            continue
         found, at = threshold(args.claude, window, args.max_output, extra, high=300_000)
         shown = (
             "nothing up to 300000 tokens"

@@ -13,6 +13,13 @@ if ! command -v zsh >/dev/null || ! command -v fish >/dev/null; then
   fi
 fi
 
+# tmux, in which the tests start the client's interactive screen (skipped, saying why, without it).
+if ! command -v tmux >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || echo "(tmux not installed)"
+  fi
+fi
+
 # The real Claude Code client, pinned, in a project-local folder (no global install needed).
 claude_version="${IKCODE_CLAUDE_VERSION:-2.1.197}"
 claude_dir="$PWD/.tools/claude-code"

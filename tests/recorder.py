@@ -61,10 +61,17 @@ class Recorder:
     (to see what the client does when it believes its conversation has reached a given size).
     """
 
-    def __init__(self, input_tokens: int | Callable[[dict], int] = 10, text: str = "hi there") -> None:
+    def __init__(
+        self,
+        input_tokens: int | Callable[[dict], int] = 10,
+        text: str = "hi there",
+        error: Callable[[dict], tuple[int, dict] | None] | None = None,
+    ) -> None:
+        """error: given a request body, a (status, JSON) to answer with instead, or None."""
         self.requests: list[dict] = []
         self.input_tokens = input_tokens
         self.text = text
+        self.error = error
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -103,6 +110,10 @@ class Recorder:
                 entry = self._record()
                 if self.path.split("?")[0].endswith("/v1/messages"):
                     model = (entry["body"] or {}).get("model", "?")
+                    failure = recorder.error(entry["body"] or {}) if recorder.error else None
+                    if failure is not None:
+                        self._json(*failure)
+                        return
                     reported = recorder.input_tokens
                     if callable(reported):
                         reported = reported(entry["body"] or {})

@@ -1,0 +1,101 @@
+"""A scripted multi-turn session of the REAL Claude Code client through `ikcode claude`
+(`-p`, then `-p --continue`), and what the request log says about its compactions."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.serving import ikcode
+
+FORBIDDEN = ("prompt is too long", "blocking_limit", "rapid_refill")
+
+
+def turn_text(turn: int, approx_chars: int, seed: int = 0) -> str:
+    """Notes about an imaginary code base (varied, so no two turns tokenize alike), then the ask."""
+    rng = random.Random(seed * 1000 + turn)
+    lines = [f"Here are my notes for part {turn} of the code review."]
+    verbs = ("reads", "writes", "parses", "checks", "sorts", "merges", "loads", "sends")
+    things = ("the config file", "a list of users", "the cache index", "two JSON blobs", "the log")
+    while sum(len(line) + 1 for line in lines) < approx_chars:
+        n = rng.randrange(1000)
+        lines.append(
+            f"Function step_{turn}_{n} in module part{turn}/file_{n % 37}.py {rng.choice(verbs)} "
+            f"{rng.choice(things)} and returns {n * 7 % 101} items."
+        )
+    lines.append("Reply with the single word: noted.")
+    return "\n".join(lines)
+
+
+def count_tokens(url: str, token: str, model: str, text: str) -> int:
+    body = {"model": model, "messages": [{"role": "user", "content": text}]}
+    headers = {"Authorization": f"Bearer {token}", "anthropic-version": "2023-06-01"}
+    response = httpx.post(f"{url}/v1/messages/count_tokens", json=body, headers=headers, timeout=60)
+    response.raise_for_status()
+    return int(response.json()["input_tokens"])
+
+
+@dataclass
+class Session:
+    turns: list[dict] = field(default_factory=list)  # per turn: exit code, result JSON, stderr
+
+    @property
+    def problems(self) -> list[str]:
+        found = []
+        for i, turn in enumerate(self.turns):
+            text = (turn["stdout"] + turn["stderr"]).lower()
+            if turn["exit"] != 0:
+                found.append(
+                    f"turn {i}: exit {turn['exit']}: {turn['stdout'][-800:]} {turn['stderr'][-800:]}"
+                )
+            for word in FORBIDDEN:
+                if word in text:
+                    found.append(f"turn {i}: {word!r} reached the user: {turn['stdout'][-800:]}")
+        return found
+
+
+def run_session(
+    texts: list[str], launcher_args: list[str], env: dict, project: Path, timeout_s: float = 900
+) -> Session:
+    session = Session()
+    for i, text in enumerate(texts):
+        args = ["claude", *launcher_args, "--", "-p", text, "--output-format", "json"]
+        if i:
+            args.append("--continue")
+        proc = ikcode(*args, env=env, cwd=project, timeout=timeout_s)
+        session.turns.append({"exit": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr})
+    return session
+
+
+def client_env(claude_bin: str, home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE"))}
+    env.update({"HOME": str(home), "IKCODE_CLAUDE_BIN": claude_bin})
+    return env
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def compactions_and_reuse(log: list[dict]) -> tuple[int, list[tuple[int, int, int]]]:
+    """How many compactions were answered, and for each: (the prompt tokens of the first
+    ordinary request after it, which starts the compacted conversation; the prompt tokens and the
+    cached tokens of the next one, which reads that new prefix again)."""
+    answered = [r for r in log if r.get("status", 200) == 200 and r.get("prompt_tokens")]
+    # The client may ask for a summary twice in a row (it retries one it cannot use): one compaction.
+    compactions = [
+        i for i, r in enumerate(answered) if r.get("compaction") and not answered[i - 1].get("compaction")
+    ]
+    reuse = []
+    for index in compactions:
+        later = [i for i in range(index + 1, len(answered)) if not answered[i].get("compaction")]
+        if len(later) >= 2:
+            first, second = answered[later[0]], answered[later[1]]
+            cached = second.get("cached_tokens_device", 0) + second.get("cached_tokens_host", 0)
+            reuse.append((first["prompt_tokens"], second["prompt_tokens"], cached))
+    return len(compactions), reuse

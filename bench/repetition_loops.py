@@ -1,6 +1,11 @@
 """Does the default model loop? 20 coding questions to a real `ikcode up` on the `local` profile,
 256 tokens each, at the profile's own sampling settings, with and without its repetition penalty.
 
+Each question is sent as Claude Code sends a first turn through `ikcode claude` on this profile:
+bench/data/claude_code_first_turn.json is such a request (client 2.1.332, the profile's
+default arguments: its system prompt, the Bash and Read tools), captured with a loopback
+recorder; only the question's text block is replaced.
+
     .venv/bin/python bench/repetition_loops.py            # ~5-10 min on two CPU cores
 
 A reply "loops" when one sentence appears more than twice in it. Prints, per setting, how many of
@@ -13,6 +18,8 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import copy
+import json
 import os
 import re
 import subprocess
@@ -49,6 +56,8 @@ PROMPTS = [
     "How do I sort a list of numbers in Python?",
     "What does `import os` give me?",
 ]
+CAPTURED = Path(__file__).resolve().parent / "data" / "claude_code_first_turn.json"
+CAPTURED_QUESTION = "What does hello.py print?"
 SENTENCE_SPLIT = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
@@ -59,29 +68,35 @@ def worst_repeat(text: str) -> int:
     return max(counts.values(), default=0)
 
 
-def _profile_copy(folder: Path, port: int, repeat_penalty: float) -> Path:
+def _profile_copy(folder: Path, port: int, repeat_penalty: float, overrides: dict[str, str]) -> Path:
     text = (shipped_profiles_dir() / "local.toml").read_text()
     text = text.replace("port = 8741", f"port = {port}")
-    text = re.sub(r"(?m)^repeat_penalty = .*$", f"repeat_penalty = {repeat_penalty}", text)
+    for key, value in {"repeat_penalty": str(repeat_penalty), **overrides}.items():
+        text, found = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", text)
+        assert found == 1, key
     path = folder / f"local-penalty-{repeat_penalty}.toml"
     path.write_text(text)
     return path
 
 
-def _ask(url: str, token: str, model: str, system: str, prompt: str, max_tokens: int) -> str:
-    body = {
-        "model": model,
-        "max_tokens": max_tokens,
-        "system": system,
-        "messages": [{"role": "user", "content": prompt}],
-    }
+def claude_code_body(model: str, prompt: str, max_tokens: int) -> dict:
+    """The captured first turn of Claude Code, asking `prompt` instead."""
+    body = copy.deepcopy(json.loads(CAPTURED.read_text()))
+    blocks = [b for m in body["messages"] if m["role"] == "user" for b in m["content"] if isinstance(b, dict)]
+    question = next(b for b in blocks if b.get("text") == CAPTURED_QUESTION)
+    question["text"] = prompt
+    return {"model": model, "max_tokens": max_tokens, **body}
+
+
+def _ask(url: str, token: str, model: str, prompt: str, max_tokens: int) -> str:
+    body = claude_code_body(model, prompt, max_tokens)
     headers = {"Authorization": f"Bearer {token}", "anthropic-version": "2023-06-01"}
     response = httpx.post(f"{url}/v1/messages", json=body, headers=headers, timeout=900)
     response.raise_for_status()
     return "".join(block.get("text", "") for block in response.json()["content"])
 
 
-def run_setting(profile_path: Path, max_tokens: int, system: str) -> list[str]:
+def run_setting(profile_path: Path, max_tokens: int) -> list[str]:
     env = dict(os.environ)
     ikcode = [sys.executable, "-m", "ikcode"]
     up = subprocess.run(
@@ -94,7 +109,7 @@ def run_setting(profile_path: Path, max_tokens: int, system: str) -> list[str]:
         token = auth.load_or_create_token()
         with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
             futures = [
-                pool.submit(_ask, profile.base_url, token, profile.served_model, system, p, max_tokens)
+                pool.submit(_ask, profile.base_url, token, profile.served_model, p, max_tokens)
                 for p in PROMPTS
             ]
             return [f.result() for f in futures]
@@ -109,11 +124,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=21717)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--show", action="store_true", help="print every reply")
+    parser.add_argument("--after-only", action="store_true", help="skip the run without the penalty")
+    parser.add_argument(
+        "--set", action="append", default=[], help="KEY=VALUE of [model] for the run with the penalty"
+    )
     args = parser.parse_args()
     shipped = load_profile("local")
-    # The system prompt `ikcode claude` gives Claude Code on this profile.
-    default_args = shipped.claude.default_args
-    system = default_args[default_args.index("--system-prompt") + 1]
     print(
         f"profile local: temperature {shipped.model.default_temperature}, repeat_penalty "
         f"{shipped.model.repeat_penalty} over the last {shipped.model.repeat_last_n} tokens; "
@@ -123,12 +139,21 @@ def main() -> None:
         # A home of its own (no clash with a server the user runs); the weight cache is shared.
         os.environ.setdefault("IKCODE_CACHE_DIR", str(paths.cache_dir()))
         os.environ["IKCODE_HOME"] = str(Path(tmp) / "home")
-        for penalty in (1.0, shipped.model.repeat_penalty):
+        overrides = dict(item.split("=", 1) for item in args.set)
+        penalties = (
+            (shipped.model.repeat_penalty,) if args.after_only else (1.0, shipped.model.repeat_penalty)
+        )
+        for penalty in penalties:
             started = time.perf_counter()
-            replies = run_setting(_profile_copy(Path(tmp), args.port, penalty), args.max_tokens, system)
+            changed = overrides if penalty != 1.0 else {}
+            replies = run_setting(_profile_copy(Path(tmp), args.port, penalty, changed), args.max_tokens)
             worst = [worst_repeat(r) for r in replies]
             looping = sum(w > 2 for w in worst)
-            label = "without penalty (before)" if penalty == 1.0 else f"repeat_penalty {penalty} (after)  "
+            label = (
+                "without penalty (before)"
+                if penalty == 1.0
+                else f"repeat_penalty {penalty} {changed or ''} (after)"
+            )
             print(
                 f"{label}: {looping}/{len(PROMPTS)} replies repeat a sentence more than twice; "
                 f"worst repeat {max(worst)}x; hello.py reply worst {worst[0]}x "

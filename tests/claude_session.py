@@ -82,10 +82,11 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def compactions_and_reuse(log: list[dict]) -> tuple[int, list[tuple[int, int, int]]]:
-    """How many compactions were answered, and for each: (the prompt tokens of the first
-    ordinary request after it, which starts the compacted conversation; the prompt tokens and the
-    cached tokens of the next one, which reads that new prefix again)."""
+def compactions_and_reuse(log: list[dict]) -> tuple[int, list[dict]]:
+    """How many compactions were answered, and for each, the first ordinary request after it
+    (which starts the compacted conversation) and the next one (which should read that new
+    prefix back): their prompt tokens, what the next one shares with the first (as the gateway
+    rendered them) and what it read from the cache."""
     answered = [r for r in log if r.get("status", 200) == 200 and r.get("prompt_tokens")]
     # The client may ask for a summary twice in a row (it retries one it cannot use): one compaction.
     compactions = [
@@ -96,6 +97,13 @@ def compactions_and_reuse(log: list[dict]) -> tuple[int, list[tuple[int, int, in
         later = [i for i in range(index + 1, len(answered)) if not answered[i].get("compaction")]
         if len(later) >= 2:
             first, second = answered[later[0]], answered[later[1]]
-            cached = second.get("cached_tokens_device", 0) + second.get("cached_tokens_host", 0)
-            reuse.append((first["prompt_tokens"], second["prompt_tokens"], cached))
+            reuse.append(
+                {
+                    "first_prompt": first["prompt_tokens"],
+                    "next_prompt": second["prompt_tokens"],
+                    "next_shared": second.get("prefix_shared_tokens", 0),
+                    "next_cached": second.get("cached_tokens_device", 0)
+                    + second.get("cached_tokens_host", 0),
+                }
+            )
     return len(compactions), reuse

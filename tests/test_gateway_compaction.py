@@ -4,6 +4,7 @@ capped, their cost (tokens, TTFT, cache served) in the request log, /health and 
 # ruff: noqa: F811 (the pytest fixtures imported from test_gateway_api_support are test arguments)
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import httpx
@@ -23,6 +24,20 @@ TURNS = [
 ]
 
 
+class NeverStops:
+    """The real engine, but no answer ends before its max_tokens (so a cap is what ends it)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def submit(self, request):
+        sampling = dataclasses.replace(request.sampling, ignore_eos=True, stop_token_ids=())
+        return self.inner.submit(dataclasses.replace(request, sampling=sampling))
+
+
 def test_summary_request_shapes():
     as_blocks = {"role": "user", "content": [{"type": "text", "text": SUMMARY}]}
     assert is_summary_request({"messages": [*TURNS, {"role": "user", "content": SUMMARY}]})
@@ -34,7 +49,7 @@ def test_summary_request_shapes():
 
 
 def test_compaction_is_capped_logged_and_counted(engine, tokenizer, tmp_path):
-    server = serve(engine, tokenizer, tmp_path, summary_max_tokens=4)
+    server = serve(NeverStops(engine), tokenizer, tmp_path, summary_max_tokens=4)
     try:
         ordinary = {"model": "tiny", "max_tokens": 40, "messages": TURNS[:1]}
         assert post(server, ordinary).status_code == 200
@@ -46,7 +61,10 @@ def test_compaction_is_capped_logged_and_counted(engine, tokenizer, tmp_path):
         }
         reply = post(server, body)
         assert reply.status_code == 200, reply.text
-        assert reply.json()["usage"]["output_tokens"] <= 4
+        assert reply.json()["usage"]["output_tokens"] == 4
+        # Cut by the server's cap, the summary is still final: no "max_tokens" for the client to
+        # continue from.
+        assert reply.json()["stop_reason"] == "end_turn"
         wait_idle(engine)
         health = httpx.get(server.url + "/health", timeout=10).json()
         log = server.server.config.app.state.gateway.settings.request_log_path
@@ -56,7 +74,7 @@ def test_compaction_is_capped_logged_and_counted(engine, tokenizer, tmp_path):
     first, summary = lines[-2], lines[-1]
     assert "compaction" not in first
     assert summary["compaction"] is True and summary["summary_max_tokens"] == 4
-    assert summary["output_tokens"] <= 4 and summary["ttft_ms"] is not None
+    assert summary["output_tokens"] == 4 and summary["ttft_ms"] is not None
     # The conversation before the summary request was read from the cache.
     assert summary["cached_tokens_device"] >= 16
     assert health["compactions"] == 1

@@ -82,28 +82,33 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def compactions_and_reuse(log: list[dict]) -> tuple[int, list[dict]]:
-    """How many compactions were answered, and for each, the first ordinary request after it
-    (which starts the compacted conversation) and the next one (which should read that new
-    prefix back): their prompt tokens, what the next one shares with the first (as the gateway
-    rendered them) and what it read from the cache."""
+def compactions_and_reuse(log: list[dict], block: int) -> tuple[int, list[dict]]:
+    """How many compactions were answered, and every time a request took up a compacted
+    conversation again: a request after a compaction whose prompt is shorter than the one
+    compacted, and the next request, which extends all of it (what it shares with it, as the
+    gateway rendered them, and what it read from the cache)."""
     answered = [r for r in log if r.get("status", 200) == 200 and r.get("prompt_tokens")]
-    # The client may ask for a summary twice in a row (it retries one it cannot use): one compaction.
-    compactions = [
-        i for i, r in enumerate(answered) if r.get("compaction") and not answered[i - 1].get("compaction")
-    ]
-    reuse = []
-    for index in compactions:
-        later = [i for i in range(index + 1, len(answered)) if not answered[i].get("compaction")]
-        if len(later) >= 2:
-            first, second = answered[later[0]], answered[later[1]]
+    compactions, reuse, compacted_size = 0, [], None
+    for index, record in enumerate(answered):
+        previous = answered[index - 1] if index else {}
+        if (
+            compacted_size is not None
+            and previous
+            and not previous.get("compaction")
+            and previous["prompt_tokens"] < compacted_size
+            and record.get("prefix_shared_tokens", 0) >= previous["prompt_tokens"] - block
+        ):
             reuse.append(
                 {
-                    "first_prompt": first["prompt_tokens"],
-                    "next_prompt": second["prompt_tokens"],
-                    "next_shared": second.get("prefix_shared_tokens", 0),
-                    "next_cached": second.get("cached_tokens_device", 0)
-                    + second.get("cached_tokens_host", 0),
+                    "new_prefix": previous["prompt_tokens"],
+                    "next_prompt": record["prompt_tokens"],
+                    "next_shared": record.get("prefix_shared_tokens", 0),
+                    "next_cached": record.get("cached_tokens_device", 0)
+                    + record.get("cached_tokens_host", 0),
                 }
             )
-    return len(compactions), reuse
+        if record.get("compaction"):
+            if not previous.get("compaction"):  # a retried summary is the same compaction
+                compactions += 1
+                compacted_size = record["prompt_tokens"]
+    return compactions, reuse

@@ -132,7 +132,8 @@ def main() -> None:
     shipped = load_profile("local")
     print(
         f"profile local: temperature {shipped.model.default_temperature}, repeat_penalty "
-        f"{shipped.model.repeat_penalty} over the last {shipped.model.repeat_last_n} tokens; "
+        f"{shipped.model.repeat_penalty} and frequency_penalty {shipped.model.frequency_penalty} over "
+        f"the last {shipped.model.repeat_last_n} tokens; "
         f"{len(PROMPTS)} prompts, max_tokens {args.max_tokens}; load average {os.getloadavg()[0]:.1f}"
     )
     with tempfile.TemporaryDirectory(prefix="ikcode-loops-") as tmp:
@@ -145,14 +146,14 @@ def main() -> None:
         )
         for penalty in penalties:
             started = time.perf_counter()
-            changed = overrides if penalty != 1.0 else {}
+            # "before": every penalty off; "after": the profile's, with --set on top.
+            off = {"frequency_penalty": "0.0", "presence_penalty": "0.0"}
+            changed = overrides if penalty != 1.0 else off
             replies = run_setting(_profile_copy(Path(tmp), args.port, penalty, changed), args.max_tokens)
             worst = [worst_repeat(r) for r in replies]
             looping = sum(w > 2 for w in worst)
             label = (
-                "without penalty (before)"
-                if penalty == 1.0
-                else f"repeat_penalty {penalty} {changed or ''} (after)"
+                "penalties off (before)" if penalty == 1.0 else f"profile's penalties {changed or ''} (after)"
             )
             print(
                 f"{label}: {looping}/{len(PROMPTS)} replies repeat a sentence more than twice; "

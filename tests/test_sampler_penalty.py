@@ -74,3 +74,46 @@ def test_cached_prefix_gives_the_same_tokens_as_cold_with_penalties():
     assert changed >= 4, "the penalty changed almost no answer: is it applied?"
     assert_pool_clean(engine)
     engine.shutdown()
+
+
+@pytest.mark.model
+def test_default_model_hello_py_same_cold_and_warm_at_the_local_profile_settings(default_model):
+    """The loop case on the real default model: the local profile's penalties, greedy and seeded
+    at its temperature; a cold read (salted) and a read served from the cache answer alike."""
+    import jinja2
+
+    from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from ikcode.profiles import load_profile
+
+    model = load_profile("local").model
+    hello = 'def main():\n    print("Hello, world!")\n\n\nmain()\n'
+    messages = [{"role": "user", "content": f"hello.py:\n```python\n{hello}```\nWhat does hello.py print?"}]
+    template = jinja2.Environment().from_string(default_model.chat_template)
+    prompt = default_model.tokenizer.encode(template.render(messages=messages, add_generation_prompt=True))
+    engine = EmbeddedEngine(
+        default_model.config,
+        default_model.state_dict,
+        EmbeddedEngineConfig(kv_memory_bytes=1 << 28, num_threads=2),
+    )
+    try:
+        for temperature, seed in ((0.0, None), (model.default_temperature, 7)):
+            params = SamplingParams(
+                temperature=temperature,
+                seed=seed,
+                max_tokens=48,
+                repeat_penalty=model.repeat_penalty,
+                repeat_last_n=model.repeat_last_n,
+                frequency_penalty=model.frequency_penalty,
+                presence_penalty=model.presence_penalty,
+            )
+            cold, _ = engine.submit(
+                EngineRequest(f"cold{temperature}", prompt, params, cache_salt="x")
+            ).collect(300)
+            engine.submit(EngineRequest(f"seed{temperature}", prompt, params)).collect(300)
+            warm, final = engine.submit(EngineRequest(f"warm{temperature}", prompt, params)).collect(300)
+            assert final.stats.cached_tokens >= len(prompt) - 16, "the prompt was not served from the cache"
+            assert warm == cold, (
+                default_model.tokenizer.decode(cold) + " | " + default_model.tokenizer.decode(warm)
+            )
+    finally:
+        engine.shutdown(drain_timeout_s=5)

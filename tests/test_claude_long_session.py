@@ -14,6 +14,9 @@ conversation back from the cache.
 
 from __future__ import annotations
 
+import re
+import subprocess
+
 import pytest
 
 from ikcode import auth, daemon
@@ -30,6 +33,19 @@ from tests.claude_session import (
 from tests.serving import free_port, ikcode, local_profile
 
 pytestmark = [pytest.mark.claude, pytest.mark.slow]
+
+# Older clients (2.1.197 measured) never compact a `-p` conversation on a window under 100K, and end
+# the turn at the server's "prompt is too long" (bench/compaction_probe.py --reactive).
+FIRST_COMPACTING_CLIENT = (2, 1, 332)
+
+
+@pytest.fixture
+def compacting_claude(claude_bin) -> str:
+    out = subprocess.run([claude_bin, "--version"], capture_output=True, text=True, timeout=60).stdout
+    version = tuple(int(part) for part in re.findall(r"\d+", out.split()[0])[:3]) if out.strip() else ()
+    if version < FIRST_COMPACTING_CLIENT:
+        pytest.skip(f"Claude Code {out.strip()} does not compact small-window -p sessions; needs >= 2.1.332")
+    return claude_bin
 
 
 def _check(session, log, texts_tokens: int, window: int, block: int) -> None:
@@ -55,7 +71,7 @@ def _check(session, log, texts_tokens: int, window: int, block: int) -> None:
 
 
 @pytest.mark.model
-def test_8k_default_profile_long_session(tmp_path, claude_bin, claude_home):
+def test_8k_default_profile_long_session(tmp_path, compacting_claude, claude_home):
     home, project = claude_home
     profile = local_profile(tmp_path, free_port(), max_output_tokens=160)
     text = profile.read_text().replace("summary_max_tokens = 512", "summary_max_tokens = 96")
@@ -67,14 +83,16 @@ def test_8k_default_profile_long_session(tmp_path, claude_bin, claude_home):
         token = auth.load_or_create_token()
         texts = [turn_text(i, 4300) for i in range(17)]
         total = sum(count_tokens(url, token, "smollm2-135m-instruct", t) for t in texts)
-        session = run_session(texts, ["--profile", str(profile)], client_env(claude_bin, home), project)
+        session = run_session(
+            texts, ["--profile", str(profile)], client_env(compacting_claude, home), project
+        )
         log = read_log(daemon.request_log_file())
     finally:
         ikcode("down")
     _check(session, log, total, 8192, 16)
 
 
-def test_32k_embedded_engine_long_session(tmp_path, claude_bin, claude_home):
+def test_32k_embedded_engine_long_session(tmp_path, compacting_claude, claude_home):
     from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from tests.test_gateway_support import ScriptedEngine, tiny_tokenizer
     from tests.tiny_model import tiny_config, tiny_state_dict
@@ -113,7 +131,7 @@ def test_32k_embedded_engine_long_session(tmp_path, claude_bin, claude_home):
         session = run_session(
             texts,
             ["--profile", str(profile), "--base-url", server.url],
-            client_env(claude_bin, home),
+            client_env(compacting_claude, home),
             project,
         )
         log = read_log(settings.request_log_path)

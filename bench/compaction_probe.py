@@ -114,7 +114,7 @@ def reactive(claude: str, window: int, max_output: int, extra: dict[str, str]) -
     return {
         "requests": kinds,
         "exit": second.returncode,
-        "too_long_shown": "prompt is too long" in second.stdout,
+        "too_long_shown": "prompt is too long" in second.stdout.lower(),
     }
 
 

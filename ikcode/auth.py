@@ -78,9 +78,22 @@ def _save_team_tokens(tokens: dict[str, str]) -> None:
     _write_private(team_tokens_path(), json.dumps(tokens, indent=2) + "\n")
 
 
-def add_team_token(name: str) -> str:
-    if not name or name == "launcher":
+MAX_TOKEN_NAME_CHARS = 64
+
+
+def check_token_name(name: str) -> None:
+    """A token's name is its user's name in logs, metrics and cache salts: short and printable."""
+    if not name.strip() or name == "launcher":
         raise ValueError("a token name must be non-empty and not 'launcher'")
+    if len(name) > MAX_TOKEN_NAME_CHARS or not name.isprintable() or name != name.strip():
+        raise ValueError(
+            f"a token name must be at most {MAX_TOKEN_NAME_CHARS} printable characters, "
+            "without leading or trailing spaces"
+        )
+
+
+def add_team_token(name: str) -> str:
+    check_token_name(name)
     tokens = team_tokens()
     tokens[name] = TOKEN_PREFIX + secrets.token_urlsafe(32)
     _save_team_tokens(tokens)

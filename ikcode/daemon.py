@@ -6,6 +6,7 @@ then waits until GET /health answers. One instance per state dir.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -35,6 +36,9 @@ class ServerState:
     profile: str
     log_file: str
     started_at: float
+    # What the process was when the file was written (see process_identity): a pid alone can
+    # be reused by any program after a crash, and `ikcode down` must never signal a stranger.
+    identity: str | None = None
 
 
 def server_dir() -> Path:
@@ -53,6 +57,27 @@ def request_log_file() -> Path:
     return server_dir() / "requests.jsonl"
 
 
+# After its drain deadline the server cuts what is left and answers it: this long to do so.
+STOP_GRACE_S = 10.0
+
+
+def drain_file() -> Path:
+    return server_dir() / "drain_timeout_s"
+
+
+def write_drain_timeout(timeout_s: float) -> None:
+    """Tell the server how long to drain (read when SIGTERM arrives: `ikcode down --timeout`)."""
+    drain_file().write_text(f"{timeout_s}\n")
+
+
+def read_drain_timeout(default_s: float) -> float:
+    try:
+        value = float(drain_file().read_text().strip())
+    except (OSError, ValueError):
+        return default_s
+    return value if value >= 0 else default_s
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -68,8 +93,44 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def process_identity(pid: int) -> str | None:
+    """Something that tells this process from a later one with the same pid: its start time
+    (clock ticks since boot, /proc/<pid>/stat field 22), else `ps`'s start time. None: unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return "ticks:" + stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        pass
+    try:
+        out = subprocess.run(
+            ["ps", "-o", "lstart=", "-p", str(pid)], capture_output=True, text=True, timeout=5, check=False
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"lstart:{out}" if out else None
+
+
+def _command_line(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
+def is_our_server(state: ServerState) -> bool:
+    """The pid in the state file is still the server that wrote it (not a reused pid)."""
+    if not pid_alive(state.pid):
+        return False
+    if state.identity is not None:
+        return process_identity(state.pid) == state.identity
+    # A state file from before identities were recorded: at least the program must be ikcode.
+    command = _command_line(state.pid)
+    return command is None or "ikcode" in command
+
+
 def read_state(clean_stale: bool = True) -> ServerState | None:
-    """The running instance, or None. A pid file whose process is gone is removed."""
+    """The running instance, or None. A pid file whose process is gone, or whose pid now belongs
+    to another program, is removed."""
     path = state_file()
     if not path.is_file():
         return None
@@ -77,7 +138,7 @@ def read_state(clean_stale: bool = True) -> ServerState | None:
         state = ServerState(**json.loads(path.read_text()))
     except (ValueError, TypeError):
         state = None
-    if state is None or not pid_alive(state.pid):
+    if state is None or not is_our_server(state):
         if clean_stale:
             path.unlink(missing_ok=True)
         return None
@@ -100,15 +161,34 @@ def clear_state(pid: int) -> None:
         pass
 
 
-def port_in_use(host: str, port: int) -> bool:
+def bind_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port (None: it can), in words for the user."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return True
-    return False
+        except socket.gaierror:
+            return f"cannot resolve the host {host!r}; give an address such as 127.0.0.1 or 0.0.0.0"
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return (
+                    f"port {port} on {host} is already in use by another program; "
+                    "choose another with --port or stop that program"
+                )
+            if err.errno == errno.EADDRNOTAVAIL:
+                return (
+                    f"address {host} is not assigned to this machine; use one of its own addresses, "
+                    "127.0.0.1 (this machine only) or 0.0.0.0 (every interface)"
+                )
+            if err.errno == errno.EACCES:
+                return f"not allowed to listen on port {port} (ports below 1024 need privileges)"
+            return f"cannot listen on {host}:{port}: {err.strerror or err}"
+    return None
+
+
+def port_in_use(host: str, port: int) -> bool:
+    return bind_problem(host, port) is not None
 
 
 def check_can_start(host: str, port: int) -> None:
@@ -118,11 +198,9 @@ def check_can_start(host: str, port: int) -> None:
             f"ikcode is already running (pid {running.pid}) at {running.url} with profile "
             f"{running.profile!r}; stop it with `ikcode down` first"
         )
-    if port_in_use(host, port):
-        raise DaemonError(
-            f"port {port} on {host} is already in use by another program; "
-            "choose another with --port or stop that program"
-        )
+    problem = bind_problem(host, port)
+    if problem is not None:
+        raise DaemonError(problem)
 
 
 def health(url: str, timeout_s: float = 2.0) -> dict | None:
@@ -171,7 +249,7 @@ def start_background(
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-    state = ServerState(proc.pid, host, port, url, profile, str(log), time.time())
+    state = ServerState(proc.pid, host, port, url, profile, str(log), time.time(), process_identity(proc.pid))
     write_state(state)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -190,14 +268,16 @@ def start_background(
 
 def stop(timeout_s: float = 60.0) -> ServerState | None:
     """Graceful stop: SIGTERM lets in-flight requests finish; SIGKILL after the timeout."""
-    state = read_state()
+    state = read_state()  # only a state whose pid is still our server (identity checked)
     if state is None:
         return None
+    write_drain_timeout(timeout_s)
     os.kill(state.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and pid_alive(state.pid):
+    # The server drains for timeout_s, then answers what is left: a little grace before SIGKILL.
+    deadline = time.monotonic() + timeout_s + STOP_GRACE_S
+    while time.monotonic() < deadline and is_our_server(state):
         time.sleep(0.1)
-    if pid_alive(state.pid):
+    if is_our_server(state):  # checked again: never SIGKILL a pid that has been reused meanwhile
         os.kill(state.pid, signal.SIGKILL)
     clear_state(state.pid)
     return state

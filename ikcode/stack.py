@@ -21,6 +21,7 @@ from ikcode.profiles import Profile
 log = logging.getLogger("ikcode.stack")
 
 MB = 1024 * 1024
+DEFAULT_DRAIN_S = 30.0  # when `ikcode down` did not say (a plain SIGTERM or Ctrl-C)
 
 
 @dataclass
@@ -102,6 +103,17 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
     return Stack(controller, tokenizer, window, description)
 
 
+def cache_salting(profile: Profile) -> bool | None:
+    """`[cache] salt_per_user`: false shares one cache among all users (a single-team server that
+    wants the hits); true or absent isolates each token's entries whenever several can connect."""
+    value = profile.cache.get("salt_per_user")
+    if value is None or isinstance(value, bool):
+        return value
+    raise daemon.DaemonError(
+        f"profile {profile.source}: cache.salt_per_user must be true or false, got {value!r}"
+    )
+
+
 def gateway_settings(profile: Profile, host: str, context_window: int):
     from ikcode.gateway.settings import GatewaySettings
 
@@ -109,6 +121,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
     if profile.auth.required or not is_loopback(host):
         tokens = {"launcher": auth.load_or_create_token(), **auth.team_tokens()}
     return GatewaySettings(
+        cache_salt_per_user=cache_salting(profile),
         served_model=profile.served_model,
         context_window=context_window,
         max_output_tokens=profile.max_output_tokens,
@@ -136,12 +149,23 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
     running = daemon.read_state()
     if running is not None and running.pid != os.getpid():
         raise daemon.DaemonError(f"ikcode is already running (pid {running.pid}) at {running.url}")
-    if daemon.port_in_use(host, port):
-        raise daemon.DaemonError(f"port {port} on {host} is already in use by another program")
+    problem = daemon.bind_problem(host, port)
+    if problem is not None:
+        raise daemon.DaemonError(problem)
     url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
     daemon.write_state(
-        daemon.ServerState(os.getpid(), host, port, url, profile.name, str(daemon.log_file()), time.time())
+        daemon.ServerState(
+            os.getpid(),
+            host,
+            port,
+            url,
+            profile.name,
+            str(daemon.log_file()),
+            time.time(),
+            daemon.process_identity(os.getpid()),
+        )
     )
+    daemon.drain_file().unlink(missing_ok=True)  # a timeout left by an earlier `ikcode down`
     # SIGTERM while the model loads: leave at once (uvicorn installs its own handler later).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
@@ -153,7 +177,7 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
             except ValueError as err:
                 raise daemon.DaemonError(str(err)) from None
             log.info("%s; serving %s at %s", what, profile.served_model, url)
-            run_server(app, host, port, log_level="warning", graceful_timeout_s=30)
+            run_server(app, host, port, log_level="warning", graceful_timeout_s=int(DEFAULT_DRAIN_S))
             return
         stack = build_stack(profile, model_path)
         log.info("%s", stack.description)
@@ -161,10 +185,17 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
         app = create_app(stack.engine, stack.tokenizer, settings)
         log.info("serving %s at %s (context window %d)", profile.served_model, url, stack.context_window)
         try:
-            run_server(app, host, port, log_level="warning", graceful_timeout_s=30)
+            run_server(
+                app,
+                host,
+                port,
+                log_level="warning",
+                drain_timeout_s=lambda: daemon.read_drain_timeout(DEFAULT_DRAIN_S),
+            )
         finally:
-            log.info("draining the engine")
-            stack.engine.shutdown(drain_timeout_s=30)
+            log.info("stopping the engine")
+            # The gateway drained and cut every request already: what is left is bookkeeping.
+            stack.engine.shutdown(drain_timeout_s=5)
             log.info("stopped")
     finally:
         daemon.clear_state(os.getpid())

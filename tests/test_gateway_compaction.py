@@ -66,7 +66,8 @@ def test_compaction_is_capped_logged_and_counted(engine, tokenizer, tmp_path):
         # continue from.
         assert reply.json()["stop_reason"] == "end_turn"
         wait_idle(engine)
-        health = httpx.get(server.url + "/health", timeout=10).json()
+        auth = {"Authorization": f"Bearer {TOKENS['alice']}"}  # the figures are for token holders
+        health = httpx.get(server.url + "/health", headers=auth, timeout=10).json()
         log = server.server.config.app.state.gateway.settings.request_log_path
         lines = [json.loads(line) for line in log.read_text().splitlines()]
     finally:

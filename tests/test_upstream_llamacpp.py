@@ -8,6 +8,7 @@ Needs `pip install 'llama-cpp-python[server]'` (compiles llama.cpp); scripts/tes
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -21,12 +22,27 @@ import pytest
 from tests.test_upstream_support import FRONT_TOKEN, front_records, front_server
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.slow, pytest.mark.model]
-try:  # where llama-cpp-python could not be built: skip, saying why
-    import llama_cpp  # noqa: F401
-    import llama_cpp.server  # noqa: F401
-except ImportError as error:
+# Where llama-cpp-python cannot run here, skip, saying why. The check runs in a child process:
+# a wheel compiled on another CPU (pip caches built wheels) dies of SIGILL when llama.cpp first
+# computes, which would take this test process down with it.
+PROBE = """
+import llama_cpp.server
+from ikcode.model.default_model import default_model_path
+llama = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=64, n_threads=1, verbose=False)
+llama.create_completion("Hi", max_tokens=1)
+"""
+_probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+if _probe.returncode == -signal.SIGILL:
     pytest.skip(
-        f"llama-cpp-python[server] is not importable ({error}); "
+        "llama-cpp-python's compiled llama.cpp uses instructions this CPU lacks (SIGILL): a wheel "
+        "built on another machine, e.g. from pip's cache. Rebuild it portable: CMAKE_ARGS="
+        "'-DGGML_NATIVE=OFF' pip install --no-cache-dir --force-reinstall 'llama-cpp-python[server]' "
+        "(scripts/test.sh does this by itself)",
+        allow_module_level=True,
+    )
+if _probe.returncode != 0 and ("ImportError" in _probe.stderr or "ModuleNotFoundError" in _probe.stderr):
+    pytest.skip(
+        f"llama-cpp-python[server] cannot run here ({_probe.stderr.strip().splitlines()[-1:]}); "
         "install it with: pip install 'llama-cpp-python[server]'",
         allow_module_level=True,
     )

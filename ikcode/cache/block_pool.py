@@ -68,7 +68,9 @@ class BlockPool:
         self.policy.on_commit(block, sharer)
         return True
 
-    def unref(self, table: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
+    def unref(
+        self, table: list[int], now: float, hold_until: float | None, sharer: str = "", step: bool = True
+    ) -> None:
         """Drop one reference from each block of a sequence's table; tail first."""
         evictable: list[int] = []
         for block in reversed(table):
@@ -81,7 +83,7 @@ class BlockPool:
                 else:
                     evictable.append(block)
         if evictable:
-            self.policy.push(evictable, now, hold_until, sharer)
+            self.policy.push(evictable, now, hold_until, sharer, step=step)
 
     def check(self) -> None:
         free = set(self.free)

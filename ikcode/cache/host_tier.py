@@ -63,6 +63,17 @@ class HostTier:
         self.lru[slot] = None
         return slot, evicted
 
+    def drop(self, slot: int) -> BlockHash:
+        """Forget what slot holds (its copy failed); returns the key it was given."""
+        key = self.slot_hash[slot]
+        assert key is not None, f"host slot {slot} holds nothing"
+        del self.index[key]
+        self.slot_hash[slot] = None
+        self.lru.pop(slot, None)
+        self.pinned.discard(slot)
+        self.free.append(slot)
+        return key
+
     def check(self) -> None:
         used = set(self.lru) | self.pinned
         assert not (set(self.lru) & self.pinned), "a host slot is both pinned and in the LRU"

@@ -73,8 +73,12 @@ class IkcodePolicy:
             self._sharers[block] = self._sharers.get(block, 0) + 1
             self._last_sharer[block] = sharer
 
-    def push(self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
-        returning = self._count_step(sharer) >= self.returning_after
+    def push(
+        self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "", step: bool = True
+    ) -> None:
+        # A preempted or aborted sequence gave no reply: it is not one of the session's steps.
+        steps = self._count_step(sharer) if step else self._steps.get(sharer, 0)
+        returning = steps >= self.returning_after
         for b in blocks:
             if hold_until is not None and hold_until > now and len(self._held) < self._held_cap:
                 self._held[b] = hold_until

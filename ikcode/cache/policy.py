@@ -28,8 +28,12 @@ class EvictionPolicy(Protocol):
     def on_hit(self, block: int, sharer: str) -> None:
         """A lookup by `sharer` hit this cached block."""
 
-    def push(self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
-        """blocks of one sequence of `sharer` became evictable, in eviction order (tail first)."""
+    def push(
+        self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "", step: bool = True
+    ) -> None:
+        """blocks of one sequence of `sharer` became evictable, in eviction order (tail first).
+
+        step: the release ended one of the sharer's steps (False for a preemption or an abort)."""
 
     def remove(self, block: int) -> None:
         """block is referenced again (a hit pinned it): no longer evictable."""
@@ -64,7 +68,9 @@ class LRUPolicy:
     def on_hit(self, block: int, sharer: str) -> None:
         pass
 
-    def push(self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "") -> None:
+    def push(
+        self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "", step: bool = True
+    ) -> None:
         for b in blocks:
             self._queue[b] = None
 

@@ -9,6 +9,14 @@ The engine owns the KV bytes; this owns the index and the policy. Lifecycle of a
                            Commit them, then drop the references.
 Committing at release, never at the final token, is the point: an engine that closes a
 sequence one step after its last token would otherwise miss on every request, silently.
+
+Two more rules keep the index honest:
+  copy, then commit   a block enters an index only after its bytes are where the index says;
+                      a failed tier copy rolls the whole allocation back (OutOfBlocks-like: the
+                      cache is as it was, less what the copy's evictions already dropped).
+  no shared writes    a hit covers at most num_tokens - 1 tokens (as vLLM caps it): the last
+                      prompt token is always computed, and its K/V row must land in a block of
+                      this sequence's own, never in a committed block another sequence may read.
 """
 
 from __future__ import annotations
@@ -103,14 +111,17 @@ class PrefixCache:
     ) -> Allocation:
         """A block table of num_blocks device blocks reusing the cached prefix of hashes.
 
-        num_tokens (the prompt length) only feeds hit accounting; default num_blocks*block_size.
-        Raises OutOfBlocks (nothing changed) when the fresh blocks cannot be found.
+        num_tokens: the prompt length. When given, the hit stops one token short of it (the
+        engine recomputes the last prompt token, and that write must go to a fresh block); it
+        also feeds hit accounting (default num_blocks * block_size).
+        Raises OutOfBlocks (nothing changed) when the fresh blocks cannot be found; a failed tier
+        copy is rolled back and its error raised.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds blocks")
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-        hashes = hashes[:num_blocks]
+        hashes = hashes[: min(num_blocks, self.reusable_blocks(num_tokens, num_blocks))]
         m = self.match(hashes)
         d, h = m.device_blocks, m.host_blocks
         hits = [self.pool.index[k] for k in hashes[:d]]
@@ -135,10 +146,15 @@ class PrefixCache:
         demotions: list[tuple[int, int]] = []
         fresh = [self._take_block(now, demotions) for _ in range(needed)]
         promotions = list(zip(host_slots, fresh[:h], strict=True))
+        try:
+            self._copy(demotions, promotions)
+        except BaseException:
+            self._roll_back(hits, fresh, host_slots, demotions, now)
+            raise
+        # The bytes are in place: only now may the index point at them.
         for (_slot, block), key in zip(promotions, hashes[d : d + h], strict=True):
             committed = self.pool.commit(block, key, sharer)
             assert committed, "a host-tier key was also on the device"
-        self._copy(demotions, promotions)
         for slot in host_slots:
             self.host.unpin(slot)
 
@@ -159,8 +175,13 @@ class PrefixCache:
         if self.pool.num_available() == 0:
             raise OutOfBlocks(1, 0)
         demotions: list[tuple[int, int]] = []
-        block = self._take_block(self.clock(), demotions)
-        self._copy(demotions, [])
+        now = self.clock()
+        block = self._take_block(now, demotions)
+        try:
+            self._copy(demotions, [])
+        except BaseException:
+            self._roll_back([], [block], [], demotions, now)
+            raise
         seq.table.append(block)
         return block
 
@@ -172,11 +193,14 @@ class PrefixCache:
         *,
         session_id: str | None = None,
         hold_s: float | None = None,
+        step: bool = True,
     ) -> None:
         """Commit the first len(committed_hashes) blocks of seq_id's table, then unreference all.
 
         hold_s: the session is expected back soon (its last step ended in a tool call): a policy
         that understands holds keeps this sequence's blocks on the device for that long.
+        step: this release ends one of the session's steps (a reply was given). A preemption or
+        an abort is not a step: a policy that protects returning sessions must not count it.
         """
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
@@ -195,13 +219,46 @@ class PrefixCache:
                 self._host_evicted(host_evicted, now)
                 if slot is not None and self.host.slot_hash[slot] == key:
                     written.append((block, slot))
-        if written:
-            self.stats.demoted_blocks += len(written)
-            self._copy(written, [])
-        hold_until = now + hold_s if hold_s else None
-        self.pool.unref(seq.table, now, hold_until, sharer)
+        try:
+            if written:
+                self._copy(written, [])
+                self.stats.demoted_blocks += len(written)
+        except BaseException:
+            for _block, slot in written:  # the host copies never landed: forget them
+                self._dropped(self.host.drop(slot), now)
+            raise
+        finally:  # the sequence is gone from _seqs: its references must go too, whatever happened
+            hold_until = now + hold_s if hold_s else None
+            self.pool.unref(seq.table, now, hold_until, sharer, step=step)
+
+    def reusable_blocks(self, num_tokens: int | None, num_blocks: int) -> int:
+        """How many leading blocks of a num_tokens prompt a hit may cover: (num_tokens-1)//size.
+
+        The last prompt token is always run (its logits give the first output token), and its
+        K/V row is written into the block that holds it: that block must be this sequence's own.
+        """
+        if num_tokens is None:
+            return num_blocks
+        return max(0, num_tokens - 1) // self.block_size
 
     # ---- internals ---------------------------------------------------------------------------
+    def _roll_back(
+        self,
+        hits: list[int],
+        fresh: list[int],
+        host_slots: list[int],
+        demotions: list[tuple[int, int]],
+        now: float,
+    ) -> None:
+        """Undo an allocation whose tier copy failed: nothing half-made stays indexed or owned."""
+        self.stats.demoted_blocks -= len(demotions)
+        for _block, slot in demotions:  # the evicted keys never reached the host: they are gone
+            self._dropped(self.host.drop(slot), now)
+        self.pool.unref(fresh, now, None, step=False)  # uncommitted: back to the free list
+        self.pool.unref(hits, now, None, step=False)  # committed hits: evictable again
+        for slot in host_slots:
+            self.host.unpin(slot)
+
     def _take_block(self, now: float, demotions: list[tuple[int, int]]) -> int:
         block, evicted = self.pool.take(now)
         if evicted is None:

@@ -147,13 +147,13 @@ def token_command(
 
     The server reads them at start: restart it (`ikcode down && ikcode up`) after a change.
     """
-    if add_name:
+    if add_name is not None:  # "" too: refused with a reason, not taken for "no option"
         try:
             click.echo(auth.add_team_token(add_name))
         except ValueError as err:
             raise click.ClickException(str(err)) from None
         return
-    if revoke_name:
+    if revoke_name is not None:
         if not auth.revoke_team_token(revoke_name):
             raise click.ClickException(f"no token named {revoke_name!r}")
         click.echo(f"revoked {revoke_name}")

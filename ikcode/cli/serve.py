@@ -22,7 +22,9 @@ def _port_for(profile: Profile, port: int | None) -> int:
 def start_stack(profile: Profile, port: int | None = None, model: str | None = None) -> daemon.ServerState:
     """Start the stack in the background and wait until it is healthy, showing progress."""
     port = _port_for(profile, port)
+    # The host too: the child reads the profile file, which does not hold a --host override.
     args = ["up", "--foreground", "--profile", profile.source, "--port", str(port)]
+    args += ["--host", profile.endpoint.host]
     if model:
         args += ["--model", model]
     url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
@@ -95,7 +97,7 @@ def _summary(url: str, token: str) -> dict:
     out: dict = {}
     try:
         # The local server, never through an HTTP_PROXY from the environment (it would get the token).
-        out["health"] = httpx.get(f"{url}/health", timeout=3, trust_env=False).json()
+        out["health"] = httpx.get(f"{url}/health", headers=headers, timeout=3, trust_env=False).json()
         models = httpx.get(f"{url}/v1/models", headers=headers, timeout=3, trust_env=False).json()
         models = models.get("data") or []
         out["model"] = models[0] if models else None

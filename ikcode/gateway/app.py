@@ -25,6 +25,7 @@ from ikcode.gateway.edge import EdgeMiddleware, add_model_routes, authenticate, 
 from ikcode.gateway.errors import APIError, error_body, invalid_request
 from ikcode.gateway.metrics import GatewayMetrics
 from ikcode.gateway.render import Renderer
+from ikcode.gateway.request_limits import body_limit_bytes, max_token_chars
 from ikcode.gateway.request_log import RequestLog
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.settings import GatewaySettings
@@ -48,13 +49,24 @@ def create_app(
     gw = Gateway(
         engine, tokenizer, renderer, settings, metrics, RequestLog(settings.request_log_path), context_window
     )
+    gw.body_limit_bytes = body_limit_bytes(context_window, settings.max_body_bytes)
+    gw.max_token_chars = max_token_chars(tokenizer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         gw.log.close()
 
-    app = FastAPI(title="ikcode gateway", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    # redirect_slashes=False: Starlette's redirect names the client's Host header; the edge
+    # serves "/v1/messages/" as "/v1/messages" instead.
+    app = FastAPI(
+        title="ikcode gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=lifespan,
+        redirect_slashes=False,
+    )
     app.state.gateway = gw
     app.add_middleware(EdgeMiddleware, gw=gw)
 
@@ -110,7 +122,12 @@ def create_app(
     add_model_routes(app, gw, guarded)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
+        # Anyone may ask whether the server is up; only a token holder sees its load and usage.
+        try:
+            authenticate(gw, request)
+        except APIError:
+            return JSONResponse({"status": "ok"})
         info = engine.info
         return JSONResponse(
             {
@@ -121,7 +138,9 @@ def create_app(
                 "context_window": context_window,
                 "block_size": info.block_size,
                 "in_flight": gw.in_flight,
+                "cache_salt_per_user": settings.salts_per_user,
                 **metrics.totals(),
+                "users": metrics.by_user(),
             }
         )
 

@@ -43,6 +43,8 @@ class EdgeMiddleware:
             path = path[path.index("/v1/") :]
         elif scope["method"] == "HEAD" and "/v1/" not in path:  # HEAD {ANTHROPIC_BASE_URL}
             path = "/"
+        if len(path) > 1 and path.endswith("/"):  # a base URL with a trailing slash
+            path = path.rstrip("/") or "/"
         if path != scope["path"]:
             scope = dict(scope, path=path, raw_path=path.encode())
         route = (
@@ -59,7 +61,7 @@ class EdgeMiddleware:
 
         length = dict(scope.get("headers") or []).get(b"content-length")
         try:
-            if length is not None and length.isdigit() and int(length) > self.gw.settings.max_body_bytes:
+            if length is not None and length.isdigit() and int(length) > body_limit(self.gw):
                 response = error_response(too_large(self.gw))
                 return await response(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
@@ -67,8 +69,13 @@ class EdgeMiddleware:
             self.gw.metrics.requests.labels(route, str(status["code"])).inc()
 
 
+def body_limit(gw: EdgeState) -> int:
+    """The body size limit: the gateway's own (derived from its context window), else the setting."""
+    return getattr(gw, "body_limit_bytes", None) or gw.settings.max_body_bytes
+
+
 def too_large(gw: EdgeState) -> APIError:
-    return APIError(413, f"request body is larger than {gw.settings.max_body_bytes} bytes")
+    return APIError(413, f"request body is larger than {body_limit(gw)} bytes")
 
 
 def error_response(error: APIError) -> JSONResponse:
@@ -80,7 +87,7 @@ async def read_model(gw: EdgeState, request: Request, model: type[BaseModel]) ->
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > gw.settings.max_body_bytes:
+        if size > body_limit(gw):
             raise too_large(gw)
         chunks.append(chunk)
     raw = b"".join(chunks)
@@ -141,9 +148,17 @@ def model_info(gw: EdgeState, model_id: str) -> dict[str, Any]:
     }
 
 
+MAX_ECHO_CHARS = 200  # of a client's string put in an error message or the request log
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """text, cut to limit characters: a 10 MB model name must not be echoed or logged whole."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def check_model(gw: EdgeState, model: str) -> None:
     if not gw.settings.accepts(model):
-        raise APIError(404, f"model: {model} (this server serves {gw.settings.served_model})")
+        raise APIError(404, f"model: {clip(model)} (this server serves {gw.settings.served_model})")
 
 
 Guard = Callable[[Request, Callable[[], Awaitable[Response]]], Awaitable[Response]]

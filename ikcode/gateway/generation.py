@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from ikcode.engines.base import (
     CacheLookup,
     EngineError,
+    EngineShutdown,
     FinishReason,
     RequestStats,
     RequestStream,
@@ -42,11 +43,13 @@ class _EventReader:
         self._iter = stream.__aiter__()
         self._pending: asyncio.Future[TokenEvent] | None = None
 
-    async def next(self, timeout: float) -> TokenEvent | None:
+    async def next(self, timeout: float, interrupt: asyncio.Future | None = None) -> TokenEvent | None:
+        """None also when `interrupt` completes first."""
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._iter.__anext__())
-        done, _ = await asyncio.wait({self._pending}, timeout=timeout)
-        if not done:
+        waiting = {self._pending} if interrupt is None else {self._pending, interrupt}
+        done, _ = await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if self._pending not in done:
             return None
         task, self._pending = self._pending, None
         return task.result()
@@ -88,6 +91,8 @@ class Generation:
         self.completed = False  # the client got a whole answer
         self._stop_requested = False
         self._closed = False
+        self._cut = False  # ended by the server's drain deadline, not by the engine or client
+        gw.generations[request_id] = self
         gw.in_flight += 1
         gw.metrics.in_flight.inc()
 
@@ -104,6 +109,8 @@ class Generation:
             self.error = event.error if event.finish_reason == FinishReason.ERROR else None
             if self.finish_reason == FinishReason.ERROR and self.error is None:
                 self.error = EngineError("the engine failed this request")
+            if self._cut and self.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+                self.error = EngineShutdown()  # an overloaded error the client may retry
         elif self.builder.done and not self._stop_requested:  # a stop sequence matched
             self._stop_requested = True
             self.gw.engine.abort(self.request_id)
@@ -172,12 +179,15 @@ class Generation:
 
     # -- non-streaming ------------------------------------------------------------------------
     async def collect(self, request: Request) -> Response:
+        # Watch the connection while the answer is being made: a client that hangs up must stop
+        # the engine's work now, not when the reply is done (close() aborts an unfinished one).
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
             while not self.finished:
-                event = await self.reader.next(self.gw.settings.ping_interval_s)
+                event = await self.reader.next(self.gw.settings.ping_interval_s, interrupt=gone)
+                if gone.done():
+                    return Response(status_code=499)
                 if event is None:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
                     continue
                 self._consume(event)
             if self.error is not None:
@@ -186,15 +196,23 @@ class Generation:
             self.completed = True
             return JSONResponse(self._message(self.builder.content, final=True))
         finally:
+            gone.cancel()
             self.close()
 
     # -- bookkeeping --------------------------------------------------------------------------
+    def cut(self) -> None:
+        """Stop at the drain deadline: the client gets an overloaded error it may retry elsewhere."""
+        if not self.finished and not self._cut:
+            self._cut = True
+            self.gw.engine.abort(self.request_id)
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.reader.close()
         gw = self.gw
+        gw.generations.pop(self.request_id, None)
         if not self.finished:  # the client went away: free the engine's sequence now
             gw.engine.abort(self.request_id)
         gw.in_flight -= 1
@@ -205,7 +223,9 @@ class Generation:
             except Exception:
                 logger.exception("could not remember the reply of %s", self.request_id)
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
-        gw.metrics.observe_generation(self.stats, ttft, len(self.builder.generated_ids))
+        gw.metrics.observe_generation(
+            self.stats, ttft, len(self.builder.generated_ids), self.record.get("user")
+        )
         if self.record.get("compaction"):
             gw.metrics.observe_compaction(self.stats, ttft, len(self.builder.generated_ids))
         self._write_record(ttft)
@@ -233,6 +253,12 @@ class Generation:
             record["output_token_ids"] = self.builder.generated_ids
             record["output"] = self.builder.content
         self.gw.log.write(record)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body has been read: the next message says so)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _ms(seconds: float | None) -> float | None:

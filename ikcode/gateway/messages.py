@@ -14,10 +14,11 @@ from starlette.concurrency import run_in_threadpool
 
 from ikcode.engines.base import CacheLookup, EngineError, EngineRequest, PromptTooLong, SamplingParams
 from ikcode.gateway.compaction import is_summary_request
-from ikcode.gateway.edge import check_model
+from ikcode.gateway.edge import check_model, clip
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
 from ikcode.gateway.render import RenderedPrompt
+from ikcode.gateway.request_limits import check_prompt_chars
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.sse import STREAM_HEADERS, ClosingStreamingResponse
 from ikcode.gateway.state import Gateway
@@ -27,7 +28,20 @@ def new_message_id() -> str:
     return "msg_" + secrets.token_hex(12)
 
 
+# Below this a temperature or top_p is not a distribution the engine can sample: logits divided
+# by 1e-38 overflow float32, and a top_p under float32's smallest normal rounds to 0 (every token
+# dropped). Either gives NaN probabilities; 0 (greedy) is what such a client means.
+MIN_SAMPLING_VALUE = 1e-5
+
+
+def check_sampling_value(name: str, value: float | None) -> None:
+    if value is not None and 0.0 < value < MIN_SAMPLING_VALUE:
+        raise invalid_request(f"{name}: must be 0 or at least {MIN_SAMPLING_VALUE:g}, got {value!r}")
+
+
 def sampling_params(gw: Gateway, body: MessagesRequest) -> SamplingParams:
+    check_sampling_value("temperature", body.temperature)
+    check_sampling_value("top_p", body.top_p)
     limit = gw.settings.max_output_tokens
     if body.max_tokens < 1:
         raise invalid_request(f"max_tokens: must be at least 1, got {body.max_tokens}")
@@ -65,6 +79,11 @@ def check_unsupported(body: MessagesRequest) -> None:
     for index, stop in enumerate(body.stop_sequences or []):
         if not stop.strip():
             raise invalid_request(f"stop_sequences.{index}: each stop sequence must contain non-whitespace")
+
+
+def check_draining(gw: Gateway) -> None:
+    if gw.draining:
+        raise APIError(529, "the server is shutting down; retry shortly", retry_after_s=5)
 
 
 def _render(gw: Gateway, body: MessagesRequest | CountTokensRequest) -> RenderedPrompt:
@@ -114,17 +133,19 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         "request_id": request_id,
         "session_id": session_id,
         "user": user,
-        "model": body.model,
+        "model": clip(body.model),
         "stream": bool(body.stream),
     }
     try:
+        check_draining(gw)
         check_model(gw, body.model)
         sampling = sampling_params(gw, body)
         check_unsupported(body)
         limit = gw.settings.max_concurrent_requests
         if limit is not None and gw.in_flight >= limit:
             raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
-        salt = (user or "") if gw.settings.cache_salt_per_user else ""
+        check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
+        salt = (user or "") if gw.settings.salts_per_user else ""
         rendered, lookup = await run_in_threadpool(_render_and_lookup, gw, body, salt, session_id, record)
         if limit is not None and gw.in_flight >= limit:  # others may have started while we rendered
             raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
@@ -147,6 +168,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         engine_request = EngineRequest(
             request_id, rendered.token_ids, sampling, salt, session_id, hold_tail_s=hold
         )
+        check_draining(gw)  # the drain may have begun while this prompt was rendered
         try:
             stream = gw.engine.submit(engine_request)
         except EngineError as error:

@@ -98,6 +98,13 @@ class GatewayMetrics:
             "ikcode_compaction_tokens", "tokens of compaction requests", ["kind"], registry=r
         )
         self.last_compaction: dict[str, Any] = {}
+        # Per user (auth token name): with salting on, each user's hit rate is their own cache's.
+        self.user_prompt_tokens = Counter(
+            "ikcode_user_prompt_tokens", "prompt tokens by user", ["user"], registry=r
+        )
+        self.user_cached_tokens = Counter(
+            "ikcode_user_cached_tokens", "prompt tokens served from cache by user", ["user"], registry=r
+        )
         r.register(_LiveCollector(engine, extra))
 
     def totals(self) -> dict[str, float]:
@@ -150,12 +157,31 @@ class GatewayMetrics:
             "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 2),
         }
 
+    def by_user(self) -> dict[str, dict[str, float]]:
+        """Prompt and cached tokens and the hit rate of each user (authenticated /health)."""
+        out: dict[str, dict[str, float]] = {}
+        for counter, key in (
+            (self.user_prompt_tokens, "prompt_tokens"),
+            (self.user_cached_tokens, "cached_tokens"),
+        ):
+            for metric in counter.collect():
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        out.setdefault(sample.labels["user"], {})[key] = int(sample.value)
+        for figures in out.values():
+            prompt = figures.get("prompt_tokens", 0)
+            figures["hit_rate"] = round(figures.get("cached_tokens", 0) / prompt, 4) if prompt else 0.0
+        return out
+
     def observe_generation(
-        self, stats: RequestStats | None, ttft_s: float | None, output_tokens: int
+        self, stats: RequestStats | None, ttft_s: float | None, output_tokens: int, user: str | None = None
     ) -> None:
         self.generated_tokens.inc(output_tokens)
         if stats is None:
             return
+        if user is not None:
+            self.user_prompt_tokens.labels(user).inc(stats.prompt_tokens)
+            self.user_cached_tokens.labels(user).inc(stats.cached_tokens_device + stats.cached_tokens_host)
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.cached_tokens.labels("device").inc(stats.cached_tokens_device)
         self.cached_tokens.labels("host").inc(stats.cached_tokens_host)

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import gc
+import signal
+import socket
 import threading
 import time
+from collections.abc import Callable
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.server import HANDLED_SIGNALS
+
+from ikcode.gateway.drain import CUT_GRACE_S, drain
 
 
 def _config(app: FastAPI, host: str, port: int, log_level: str, graceful_timeout_s: int) -> uvicorn.Config:
@@ -36,18 +42,54 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on its way down, first drains the gateway (gateway.drain) for a timeout read
+    when the signal arrives (`ikcode down --timeout` writes it), so every request is answered."""
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout_s: Callable[[], float]):
+        super().__init__(config)
+        self.app = app
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:  # stop accepting first, as uvicorn would
+            server.close()
+        gw = getattr(self.app.state, "gateway", None)
+        if gw is not None:
+            await drain(gw, self.drain_timeout_s())
+        await super().shutdown(sockets)
+
+
 def run_server(
     app: FastAPI,
     host: str = "127.0.0.1",
     port: int = 8080,
     log_level: str = "info",
     graceful_timeout_s: int = 30,
+    drain_timeout_s: Callable[[], float] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM, then stop accepting, let streams finish (up to the timeout)."""
+    """Serve until SIGINT/SIGTERM, then stop accepting, let requests finish (up to the drain
+    timeout, default graceful_timeout_s), answer what is left with an error, and return."""
     # The model, tokenizer and caches live as long as the process: move them out of the garbage
     # collector's generations, or each full collection walks them (100+ ms pauses on long prompts).
     tune_garbage_collector()
-    uvicorn.Server(_config(app, host, port, log_level, graceful_timeout_s)).run()
+    # uvicorn's own wait comes after the drain: by then only idle connections are left.
+    config = _config(app, host, port, log_level, graceful_timeout_s=int(CUT_GRACE_S) + 1)
+    server = DrainingServer(config, app, drain_timeout_s or (lambda: float(graceful_timeout_s)))
+
+    # uvicorn re-raises the signal it caught once it is done, to exit with it: the caller still
+    # has an engine to stop and a pid file to clear, so that second delivery only asks (again) for
+    # the exit under way. One that comes before uvicorn's own handler is in place is not lost.
+    def stop(*_: object) -> None:
+        server.should_exit = True
+
+    quiet = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, stop) for sig in HANDLED_SIGNALS} if quiet else {}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class BackgroundServer:

@@ -30,13 +30,21 @@ class GatewaySettings:
     presence_penalty: float = 0.0
     # Output cap of Claude Code's compaction (summary) requests; None: only max_output_tokens.
     summary_max_tokens: int | None = None
-    cache_salt_per_user: bool = False  # isolate each auth token's cache entries
+    # Isolate each auth token's cache entries: one user's prompt must never be served (or timed)
+    # from another's cache. None: on whenever more than one token can reach the server.
+    cache_salt_per_user: bool | None = None
     # message_start carries the engine's cache prediction (engine.lookup hashes the whole prompt)
     # up to this prompt size; above it only the final message_delta usage has the cache figures.
     predict_usage_max_tokens: int = 32_768
     # How long the cache keeps an agent session's tail on the device after a step (needs the
     # "ikcode" cache policy; plain LRU ignores holds). None: no holds.
     session_hold_s: float | None = 60.0
+
+    @property
+    def salts_per_user(self) -> bool:
+        if self.cache_salt_per_user is None:
+            return len(self.auth_tokens) > 1
+        return self.cache_salt_per_user
 
     def accepts(self, model: str) -> bool:
         return model == self.served_model or model in self.model_aliases

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ikcode.engines.base import Engine
 from ikcode.gateway.chat_format import TokenizerLike
@@ -23,5 +24,9 @@ class Gateway:
     log: RequestLog
     context_window: int
     in_flight: int = 0
+    draining: bool = False  # shutting down: new requests are refused, running ones finish or are cut
+    generations: dict[str, Any] = field(default_factory=dict)  # request id -> running Generation
+    body_limit_bytes: int = 0  # 0: settings.max_body_bytes (see request_limits)
+    max_token_chars: int | None = None  # the character check's bound; None: no such check
     # the latest prompt of each session, to log how much of the next one repeats it
     sessions: SessionPrefixes = field(default_factory=SessionPrefixes)

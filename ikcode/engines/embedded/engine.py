@@ -119,6 +119,7 @@ class EmbeddedEngine:
         self._aborts: list[str] = []
         self._live: dict[str, Sequence] = {}  # submitted and not yet released
         self._pending_release: list[Sequence] = []
+        self._admitted: list[Sequence] = []  # admitted this step, ADMITTED not yet emitted
         self._listeners: list[LifecycleListener] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -237,6 +238,11 @@ class EmbeddedEngine:
         self.steps += 1
         with self._lock:
             scheduled = self.scheduler.schedule()
+            admitted, self._admitted = self._admitted, []
+        # Listeners run outside the lock: one that calls back into the engine (load()) must not
+        # deadlock the engine thread.
+        for seq in admitted:
+            self._emit(LifecycleKind.ADMITTED, seq)
         if scheduled:
             self.max_batch_seqs = max(self.max_batch_seqs, len(scheduled))
             try:
@@ -332,7 +338,9 @@ class EmbeddedEngine:
         normal = seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         hold_s = request.hold_tail_s if normal else None
         with self._lock:
-            self.cache.release(seq.seq_id, committed, session_id=request.session_id, hold_s=hold_s)
+            self.cache.release(
+                seq.seq_id, committed, session_id=request.session_id, hold_s=hold_s, step=normal
+            )
         seq.block_table = []
         seq.status = SequenceStatus.RELEASED
         seq.stats.released_at = time.monotonic()
@@ -367,9 +375,9 @@ class EmbeddedEngine:
             self._release(seq)
         self._pending_release = []
 
-    def _on_admit(self, seq: Sequence) -> None:
+    def _on_admit(self, seq: Sequence) -> None:  # called under the lock: emitted after it
         if seq.num_preemptions == 0:
-            self._emit(LifecycleKind.ADMITTED, seq)
+            self._admitted.append(seq)
 
     def _emit(self, kind: LifecycleKind, seq: Sequence) -> None:
         event = LifecycleEvent(kind, seq.seq_id, time.monotonic(), dataclasses.replace(seq.stats))

@@ -137,7 +137,7 @@ class Scheduler:
         return [s for s in self.running if s.status is SequenceStatus.RUNNING][-1]
 
     def preempt(self, seq: Sequence) -> None:
-        self.cache.release(seq.seq_id, committable_hashes(seq, self.block_size))
+        self.cache.release(seq.seq_id, committable_hashes(seq, self.block_size), step=False)
         self.running.remove(seq)
         seq.block_table = []
         seq.num_computed_tokens = 0

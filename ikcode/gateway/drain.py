@@ -1,0 +1,42 @@
+"""Shutting a gateway down without losing an answer: drain for a deadline, then cut what is left.
+
+On SIGTERM the server stops accepting connections, refuses new requests on open ones (529, retry),
+waits up to `timeout_s` for the running ones to finish, then cuts the rest: each gets Anthropic's
+overloaded error (a JSON body, or an error event in its stream) and its request-log line. Only then
+does uvicorn close connections, so it has nothing left to cancel (no CancelledError tracebacks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ikcode.gateway.state import Gateway
+
+logger = logging.getLogger(__name__)
+
+# After the cut, how long the cut requests get to write their answers and log lines.
+CUT_GRACE_S = 5.0
+POLL_S = 0.05
+
+
+async def _wait_idle(gw: Gateway, deadline: float) -> None:
+    while gw.in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(POLL_S)
+
+
+async def drain(gw: Gateway, timeout_s: float) -> None:
+    gw.draining = True
+    running = gw.in_flight
+    if running:
+        logger.info("draining %d request(s) for up to %.0f s", running, timeout_s)
+    await _wait_idle(gw, time.monotonic() + max(0.0, timeout_s))
+    if not gw.in_flight:
+        return
+    logger.warning("drain deadline of %.0f s reached: cutting %d request(s)", timeout_s, gw.in_flight)
+    for generation in list(gw.generations.values()):
+        generation.cut()
+    await _wait_idle(gw, time.monotonic() + CUT_GRACE_S)
+    if gw.in_flight:
+        logger.warning("%d request(s) still open after the cut", gw.in_flight)

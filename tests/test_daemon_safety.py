@@ -1,0 +1,89 @@
+"""Process control that cannot hurt a bystander: `ikcode down` signals only the server it started,
+a bind failure says what is wrong, `--host` reaches the background child, token names are real."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ikcode import auth, daemon
+from ikcode.cli import serve
+from ikcode.profiles import load_profile
+from tests.serving import free_port, ikcode
+
+
+@pytest.fixture
+def stranger():
+    """A live process that has nothing to do with ikcode (what a reused pid points at)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait(10)
+
+
+def _state_for(pid: int, identity: str | None) -> daemon.ServerState:
+    return daemon.ServerState(pid, "127.0.0.1", 1, "http://127.0.0.1:1", "local", "x.log", 0.0, identity)
+
+
+def test_down_never_signals_a_process_that_reused_the_servers_pid(stranger):
+    # The server crashed; its pid now belongs to another program (started later: another identity).
+    daemon.write_state(_state_for(stranger.pid, "ticks:1"))
+    assert daemon.process_identity(stranger.pid) not in (None, "ticks:1")
+    result = ikcode("down", "--timeout", "1")
+    assert result.returncode == 0 and "not running" in result.stdout, result.stdout + result.stderr
+    time.sleep(0.2)
+    assert stranger.poll() is None, "ikcode down signalled an unrelated process"
+    assert not daemon.state_file().exists()  # the stale file is gone
+    status = ikcode("status")
+    assert status.returncode == 3 and "not running" in status.stdout
+
+
+def test_an_old_state_file_without_identity_only_matches_an_ikcode_process(stranger):
+    daemon.write_state(_state_for(stranger.pid, None))
+    assert daemon.read_state() is None
+    assert daemon.stop(timeout_s=1) is None
+    assert stranger.poll() is None
+
+
+def test_the_recorded_identity_matches_the_live_process(stranger):
+    state = _state_for(stranger.pid, daemon.process_identity(stranger.pid))
+    assert daemon.is_our_server(state)
+    daemon.write_state(state)
+    assert daemon.read_state() == state
+
+
+def test_an_unassignable_address_is_not_reported_as_a_busy_port():
+    port = free_port()
+    problem = daemon.bind_problem("192.0.2.1", port)  # TEST-NET-1: never this machine's address
+    assert problem is not None and "not assigned to this machine" in problem
+    assert "in use" not in problem
+    with pytest.raises(daemon.DaemonError, match="not assigned"):
+        daemon.check_can_start("192.0.2.1", port)
+
+
+def test_host_override_reaches_the_background_child(monkeypatch):
+    seen: dict = {}
+
+    def fake_start(args, host, port, url, profile, on_progress=None):
+        seen.update(args=args, host=host)
+        return _state_for(1, None)
+
+    monkeypatch.setattr(daemon, "start_background", fake_start)
+    profile = load_profile("local")
+    profile = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"host": "0.0.0.0"})})
+    serve.start_stack(profile, port=free_port())
+    args = seen["args"]
+    assert seen["host"] == "0.0.0.0"
+    assert args[args.index("--host") + 1] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("name", ["", " ", "launcher", "a\nb", "x" * 65, " alice"])
+def test_a_token_name_must_be_a_real_name(name):
+    with pytest.raises(ValueError):
+        auth.add_team_token(name)
+    result = ikcode("token", "--add", name)
+    assert result.returncode != 0
+    assert auth.team_tokens() == {}

@@ -48,11 +48,28 @@ def _client_env(home: Path, base_url: str, window: int, max_output: int, extra: 
             env.pop(key, None)
         else:
             env[key] = value
+    # The settings file wins over the shell: write it with the same changes.
+    settings = {k: v for k, v in mapping.set.items() if k not in extra}
+    settings.update({k: v for k, v in extra.items() if v != ""})
+    (home / "claude-settings.json").write_text(
+        json.dumps({"env": settings, "modelOverrides": mapping.model_overrides})
+    )
     return env
 
 
 def _run(claude: str, env: dict, project: Path, prompt: str, cont: bool) -> subprocess.CompletedProcess:
-    argv = [claude, "-p", prompt, "--output-format", "json", "--tools", "Bash,Read"]
+    settings = Path(env["HOME"]) / "claude-settings.json"
+    argv = [
+        claude,
+        "--settings",
+        str(settings),
+        "-p",
+        prompt,
+        "--output-format",
+        "json",
+        "--tools",
+        "Bash,Read",
+    ]
     if cont:
         argv.append("--continue")
     return subprocess.run(argv, env=env, cwd=project, capture_output=True, text=True, timeout=120)

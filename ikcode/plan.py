@@ -1,84 +1,128 @@
-"""Capacity planning: how many conversations each tier holds and how many can be busy at once.
+"""Capacity planning on the simulator's model: do the agents fit, by how much, and how many would.
 
-The lesson of the published 200-agent run: host RAM rescues idle sessions only. A session is
-on the GPU while its turn runs (prompt read, answer decoded), so the GPU tier must hold every
-session that is active at once; the host tier only decides how cheaply a returning one comes
-back. `plan()` puts numbers on that for a hardware profile, a conversation size and an agent count.
+The lesson of the published 200-agent run: a conversation must be on its rank's GPU while its turn
+runs, and the GPU tier is per card. Two limits follow, from the same per-card figures the
+simulator uses (ikcode.bench.hardware):
+- resident: every session stays in GPU memory between turns (the baseline: its host tier rescues
+  only idle sessions, and an agent's conversation is never idle). The most agents is
+  cards x (usable KV tokens per card // mean conversation).
+- active: ikcode's host tier takes the sessions between turns and reloads them over PCIe, so only
+  turns in flight need GPU memory; a turn that hits the GPU tier holds its prefix twice while it
+  runs (the adapter copies the hit into the sequence's own blocks). The most agents is the turns
+  that fit at once divided by the share of its time an agent has a turn in flight.
+Past a limit, turns wait for memory: a closed system of N agents on K turn slots of S seconds
+each answers in N x S / K - think time (the asymptotic bound), which `plan` prints.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from ikcode.engines.simulated import HardwareModel
+from ikcode.bench.hardware import HardwareModel
 
 VERDICT = "size the GPU tier for sessions active at once"
 
 
 @dataclass(frozen=True)
 class PlanLoad:
-    """How an agent spends its time (defaults: the bench's agents)."""
+    """How an agent spends its time (defaults: the bench's agents, lognormal sigma 1)."""
 
-    output_tokens: int = 200
-    tool_pause_s: float = 6.6  # mean of the bench's lognormal pause (median 4 s)
-    frontend_s: float | None = None  # None: from the hardware figure
+    output_tokens: float = 200 * math.exp(0.5)  # mean of a lognormal with median 200
+    tokens_per_step: float = 2000 * math.exp(0.5)
+    tool_pause_s: float = 4.0 * math.exp(0.5)
+    steps_per_conversation: int = 32
+    block_size: int = 2048
+
+
+def mean_conversation_tokens(context_tokens: int, load: PlanLoad) -> float:
+    """A conversation's mean size over its life: it starts at context_tokens and grows each step."""
+    growth = (load.steps_per_conversation - 1) / 2 * (load.tokens_per_step + load.output_tokens)
+    return context_tokens + growth + load.output_tokens
 
 
 def plan(hw: HardwareModel, context_tokens: int, agents: int, load: PlanLoad | None = None) -> dict[str, Any]:
     if context_tokens < 1 or agents < 0:
         raise ValueError(f"need context_tokens >= 1 and agents >= 0, got {context_tokens} and {agents}")
     load = load or PlanLoad()
-    per_conv = context_tokens + load.output_tokens
-    on_gpu = hw.device_tier_tokens // per_conv
-    on_host = hw.host_tier_tokens // per_conv
-    # One agent's cycle when nothing queues: front end, its new tokens, decode, tool pause. The
-    # conversation occupies GPU memory from admission to release (prefill tail + decode).
-    decode_step = hw.decode_step_seconds(max(1, min(agents, on_gpu)), min(agents, on_gpu) * context_tokens)
-    decode_s = load.output_tokens * decode_step
-    frontend_s = hw.frontend_seconds(context_tokens) if load.frontend_s is None else load.frontend_s
-    busy_s = decode_s + hw.prefill_seconds(context_tokens, 2048)
-    cycle_s = frontend_s + busy_s + load.tool_pause_s
-    duty = busy_s / cycle_s
+    conv = mean_conversation_tokens(context_tokens, load)
+    usable = hw.kv_tokens_per_card * hw.prefill_watermark  # allocation keeps the rest for decode
+    resident_per_card = int(usable // conv)
+    max_resident = hw.cards * resident_per_card
+    slots_per_card = int(usable // (2 * conv))  # a GPU-tier hit is held twice while its turn runs
+    slots = hw.cards * slots_per_card
+    # One turn in flight: the wait for the engine's prefill vote (about one attempt interval of
+    # decode steps), its new tokens' prefill, then the answer's decode steps.
+    step_s = hw.decode_step_seconds(max(1, slots_per_card) * int(conv))
+    vote_s = hw.prefill_attempt_interval * step_s
+    prefill_s = hw.prefill_seconds(int(load.tokens_per_step + load.block_size / 2))
+    decode_s = load.output_tokens * step_s
+    turn_s = vote_s + prefill_s + decode_s
+    duty = turn_s / (turn_s + load.tool_pause_s)
+    max_active = int(slots / duty) if duty > 0 else slots
     active = agents * duty
-    fits_active = active <= on_gpu
-    fits_all = agents <= on_gpu
-    max_agents = int(on_gpu / duty) if duty > 0 else on_gpu
-    cold_read_s = hw.prefill_seconds(0, context_tokens)
-    if fits_all:
-        status = f"all {agents} sessions fit in the GPU tier ({on_gpu} of this size)"
-    elif fits_active:
-        status = (
-            f"{agents} sessions exceed the GPU tier ({on_gpu}) but the ~{active:.0f} active at once fit; "
-            f"idle ones wait in host RAM ({on_host:,} fit there) and reload in "
-            f"{hw.reload_seconds(context_tokens):.2f} s"
-        )
+    # Past the limit turns queue for memory: the closed-system bound on the time to answer.
+    wait_s = max(0.0, agents * turn_s / max(1, slots) - load.tool_pause_s - turn_s)
+    fits = agents <= max_active
+    if fits:
+        status = f"{agents} agents fit: ~{active:.0f} turns in flight of {slots} that fit on the GPUs"
     else:
         status = (
-            f"~{active:.0f} sessions active at once exceed the GPU tier ({on_gpu}): turns wait for "
-            f"GPU memory whatever the host tier holds; at most ~{max_agents} such agents"
+            f"{agents} agents do not fit: ~{active:.0f} turns would be in flight and {slots} fit "
+            f"({agents - max_active} agents too many); at most {max_active} agents of this size, "
+            f"past that each turn waits ~{wait_s:.0f} s for GPU memory"
         )
     return {
         "hardware": hw.name,
         "context_tokens": context_tokens,
         "agents": agents,
+        "mean_conversation_tokens": round(conv),
         "kv_bytes_per_token": hw.kv_bytes_per_token,
-        "conversation_bytes": per_conv * hw.kv_bytes_per_token,
-        "gpu_tier_tokens": hw.device_tier_tokens,
+        "kv_tokens_per_card": hw.kv_tokens_per_card,
+        "usable_kv_tokens_per_card": int(usable),
+        "conversation_bytes": int(conv * hw.kv_bytes_per_token),
+        "gpu_tier_tokens": hw.kv_tokens_per_card * hw.cards,
         "host_tier_tokens": hw.host_tier_tokens,
-        "gpu_tier_bytes": hw.device_tier_tokens * hw.kv_bytes_per_token,
-        "host_tier_bytes": hw.host_tier_tokens * hw.kv_bytes_per_token,
-        "conversations_on_gpu": on_gpu,
-        "conversations_in_host": on_host,
-        "agent_cycle_s": cycle_s,
+        "conversations_on_gpu": max_resident,
+        "conversations_in_host": int(hw.host_tier_tokens // conv),
+        "max_agents_resident": max_resident,
+        "turn_slots": slots,
+        "turn_s": turn_s,
         "agent_busy_share": duty,
         "active_at_once": active,
-        "max_agents_at_this_size": max_agents,
-        "cold_read_s": cold_read_s,
-        "reload_s": hw.reload_seconds(context_tokens),
-        "no_cache_read_tokens_per_s": hw.cold_read_tokens_per_s(context_tokens),
-        "fits_gpu_all": fits_all,
-        "fits_gpu_active": fits_active,
+        "max_agents_at_this_size": max_active,
+        "fits": fits,
+        "over_by_agents": max(0, agents - max_active),
+        "predicted_wait_s": wait_s,
+        "cold_read_s": hw.prefill_seconds(context_tokens),
+        "reload_s": hw.copy_seconds(context_tokens),
+        "no_cache_read_tokens_per_s": hw.cold_read_tokens_per_s(),
         "status": status,
         "verdict": VERDICT,
     }
+
+
+def simulate_limit(
+    hw: HardwareModel, context_tokens: int, limit: int, admission: Any, block_size: int = 2048
+) -> list[dict[str, Any]]:
+    """The simulator at plan's limit, 10% under it and 25% past it: where turns start waiting."""
+    from ikcode.bench.simulate import run_simulation
+    from ikcode.bench.workload import AgentsWorkload
+
+    rows = []
+    for agents in sorted({max(1, int(limit * 0.9)), limit, int(limit * 1.25)}):
+        report = run_simulation(
+            hw, admission, AgentsWorkload(agents=agents, context_tokens=context_tokens), block_size
+        )
+        rows.append(
+            {
+                "agents": agents,
+                "policy": admission.policy,
+                "p50": report["ttft"]["p50"],
+                "p95": report["ttft"]["p95"],
+                "cached_token_share": report["cached_token_share"],
+                "failed": report["failed"],
+            }
+        )
+    return rows

@@ -58,6 +58,8 @@ class ModelSection(_Section):
     repeat_last_n: int = Field(64, ge=0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    # How tool calls are written and read (gateway/tool_formats); "" = chosen from the chat template.
+    tool_format: Literal["", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3", "harmony"] = ""
 
 
 class ClaudeSection(_Section):

@@ -134,6 +134,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
         frequency_penalty=profile.model.frequency_penalty,
         presence_penalty=profile.model.presence_penalty,
         summary_max_tokens=profile.compaction.summary_max_tokens or None,
+        tool_format=profile.model.tool_format,
     )
 
 

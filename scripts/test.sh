@@ -20,8 +20,19 @@ if ! command -v tmux >/dev/null; then
   fi
 fi
 
+# DeepInfer's engine core (deepinfer._C), built from the deepinfer==0.1.0 sdist on the CPU for the
+# `-m deepinfer` tests: g++ and libfmt-dev (its logging uses <format>, which g++ 12 lacks). Cached
+# in ~/.cache/ikcode/deepinfer-cpu, so only the first run compiles (two files at a time); where it
+# cannot be built, those tests skip and say why.
+if [ ! -f /usr/include/fmt/format.h ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && apt-get install -y -qq g++ libfmt-dev) >/dev/null 2>&1 || echo "(libfmt-dev not installed)"
+fi
+echo "==> DeepInfer's engine core (built once, then cached)"
+timeout 2400 .venv/bin/python tests/deepinfer_build/build.py ||
+  echo "(DeepInfer's engine core not built: the deepinfer tests will skip)"
+
 # The real Claude Code client, pinned, in a project-local folder (no global install needed).
-claude_version="${IKCODE_CLAUDE_VERSION:-2.1.197}"
+claude_version="${IKCODE_CLAUDE_VERSION:-2.1.332}"
 claude_dir="$PWD/.tools/claude-code"
 if command -v npm >/dev/null 2>&1; then
   if [ ! -x "$claude_dir/node_modules/.bin/claude" ] ||

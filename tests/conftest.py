@@ -27,7 +27,7 @@ def _session_cache_dir(factory: pytest.TempPathFactory):
     return _CACHE_DIR
 
 
-CLAUDE_VERSION = os.environ.get("IKCODE_CLAUDE_VERSION", "2.1.197")
+CLAUDE_VERSION = os.environ.get("IKCODE_CLAUDE_VERSION", "2.1.332")
 
 
 @pytest.fixture(scope="session")

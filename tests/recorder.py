@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Callable
@@ -13,6 +14,21 @@ def _sse(event: str, data: dict) -> bytes:
 
 
 def canned_stream(model: str, text: str = "hi there", input_tokens: int = 10) -> bytes:
+    block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": text}
+    return _stream(model, block, delta, "end_turn", input_tokens)
+
+
+def tool_use_stream(model: str, name: str, tool_input: dict, tool_id: str = "toolu_rec01") -> bytes:
+    """A streamed reply that calls one tool (the client then runs it and sends the result back)."""
+    block = {"type": "tool_use", "id": tool_id, "name": name, "input": {}}
+    delta = {"type": "input_json_delta", "partial_json": json.dumps(tool_input)}
+    return _stream(model, block, delta, "tool_use")
+
+
+_message_ids = itertools.count(1)
+
+
+def _stream(model: str, block: dict, delta: dict, stop_reason: str, input_tokens: int = 10) -> bytes:
     usage = {
         "input_tokens": input_tokens,
         "output_tokens": 0,
@@ -20,7 +36,8 @@ def canned_stream(model: str, text: str = "hi there", input_tokens: int = 10) ->
         "cache_creation_input_tokens": 0,
     }
     message = {
-        "id": "msg_rec",
+        # One id per reply: the client merges consecutive assistant messages that share an id.
+        "id": f"msg_rec{next(_message_ids):04d}",
         "type": "message",
         "role": "assistant",
         "model": model,
@@ -34,18 +51,15 @@ def canned_stream(model: str, text: str = "hi there", input_tokens: int = 10) ->
             _sse("message_start", {"type": "message_start", "message": message}),
             _sse(
                 "content_block_start",
-                {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                {"type": "content_block_start", "index": 0, "content_block": block},
             ),
-            _sse(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}},
-            ),
+            _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta}),
             _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
             _sse(
                 "message_delta",
                 {
                     "type": "message_delta",
-                    "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": None},
                     "usage": {"output_tokens": 3},
                 },
             ),
@@ -57,18 +71,22 @@ def canned_stream(model: str, text: str = "hi there", input_tokens: int = 10) ->
 class Recorder:
     """Records every request (method, path, headers, JSON body) and answers with canned data.
 
-    input_tokens: the prompt size the answers report, fixed or computed from the request body
-    (to see what the client does when it believes its conversation has reached a given size).
+    `replies` scripts the streamed answers in order (each a function of the requested model);
+    once they run out, every answer is the canned text. input_tokens: the prompt size the canned
+    answers report, fixed or computed from the request body (to see what the client does when it
+    believes its conversation has reached a given size). error: given a request body, a
+    (status, JSON) to answer with instead, or None.
     """
 
     def __init__(
         self,
+        replies: list | None = None,
         input_tokens: int | Callable[[dict], int] = 10,
         text: str = "hi there",
         error: Callable[[dict], tuple[int, dict] | None] | None = None,
     ) -> None:
-        """error: given a request body, a (status, JSON) to answer with instead, or None."""
         self.requests: list[dict] = []
+        self.replies = list(replies or [])
         self.input_tokens = input_tokens
         self.text = text
         self.error = error
@@ -118,7 +136,10 @@ class Recorder:
                     if callable(reported):
                         reported = reported(entry["body"] or {})
                     if (entry["body"] or {}).get("stream"):
-                        payload = canned_stream(model, recorder.text, reported)
+                        if recorder.replies:
+                            payload = recorder.replies.pop(0)(model)
+                        else:
+                            payload = canned_stream(model, recorder.text, reported)
                         self.send_response(200)
                         self.send_header("Content-Type", "text/event-stream")
                         self.send_header("Content-Length", str(len(payload)))

@@ -17,9 +17,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ikcode(*args: str, env: dict | None = None, cwd: Path | None = None, timeout: float = 300):
+def ikcode(
+    *args: str,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    timeout: float = 300,
+    input: str | None = None,
+):
     return subprocess.run(
         [sys.executable, "-m", "ikcode", *args],
+        input=input,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -72,3 +72,23 @@ def test_bench_single_policy_report_is_flat(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["config"]["policy"] == "ikcode" and "ttft" in data
+
+
+def test_bench_sensitivity_table_has_every_row_for_both_policies(tmp_path):
+    out = tmp_path / "s.json"
+    args = ["bench", "--simulate", "--sensitivity", "--agents", "4", "--context", "20000",
+            "--duration", "30", "--ramp", "2", "--json", str(out)]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    labels = [r["row"] for r in rows]
+    assert labels[:4] == ["base", "ramp 300 s", "run 375 s", "run 1500 s"]
+    assert "kv_bytes_per_token x0.8" in labels and "pcie_bytes_per_s x1.2" in labels
+    for row in rows:
+        assert set(row["policies"]) == {"fifo", "ikcode"}
+        assert row["startup_floor_s"] > 0
+        for summary in row["policies"].values():
+            assert {"p95", "steady_p95", "cold_p95"} <= set(summary)
+    assert "| base | fifo |" in result.output
+    refused = CliRunner().invoke(main, ["bench", "--sensitivity"])
+    assert refused.exit_code != 0 and "--simulate" in refused.output

@@ -42,6 +42,10 @@ def test_real_claude_sends_only_the_served_model(claude_bin, claude_home):
             timeout=180,
         )
     assert proc.returncode == 0, f"stdout={proc.stdout[-2000:]}\nstderr={proc.stderr[-2000:]}"
+    # The served model is declared to the client: no `[claude-code:unrecognized_model]` line,
+    # nothing on stderr but ikcode's own notice about the profile's default arguments.
+    foreign = [line for line in proc.stderr.splitlines() if not line.startswith("ikcode: ")]
+    assert foreign == [], proc.stderr
     result = json.loads(proc.stdout)
     assert result["is_error"] is False
     assert "hi there" in result["result"]

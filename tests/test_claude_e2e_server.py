@@ -1,7 +1,12 @@
-"""The REAL Claude Code client against `ikcode up` on the default model: two turns, cache hit."""
+"""The REAL Claude Code client against `ikcode up` on the default model: two turns, cache hit.
+
+The client is the pinned one (scripts/test.sh), launched by `ikcode claude` with the shipped
+profile's own default arguments; stderr must hold nothing but ikcode's own notice.
+"""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -15,6 +20,11 @@ def _claude_env(claude_bin: str, home) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ANTHROPIC_", "CLAUDE"))}
     env.update({"HOME": str(home), "IKCODE_CLAUDE_BIN": claude_bin})
     return env
+
+
+def _foreign_stderr(stderr: str) -> list[str]:
+    """stderr lines that are not ikcode's own notices (e.g. the client's unrecognized_model)."""
+    return [line for line in stderr.splitlines() if not line.startswith("ikcode: ")]
 
 
 def _log_lines() -> list[dict]:
@@ -42,6 +52,8 @@ def test_two_turns_through_ikcode_up(tmp_path, claude_bin, claude_home):
             timeout=600,
         )
         assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
+        assert _foreign_stderr(first.stderr) == [], first.stderr
+        assert "adds claude arguments --tools Bash,Read" in first.stderr  # the profile's own args
         result = json.loads(first.stdout)
         assert result["is_error"] is False
         after_first = _log_lines()
@@ -62,8 +74,12 @@ def test_two_turns_through_ikcode_up(tmp_path, claude_bin, claude_home):
             timeout=600,
         )
         assert second.returncode == 0, second.stderr[-3000:] + second.stdout[-3000:]
-        assert json.loads(second.stdout)["is_error"] is False
+        assert _foreign_stderr(second.stderr) == [], second.stderr
+        second_result = json.loads(second.stdout)
+        assert second_result["is_error"] is False
         lines = _log_lines()
+        # The status line for this session, as Claude Code would run it (its JSON on stdin).
+        status = ikcode("statusline", input=json.dumps({"session_id": second_result["session_id"]}))
     finally:
         ikcode("down")
 
@@ -75,3 +91,11 @@ def test_two_turns_through_ikcode_up(tmp_path, claude_bin, claude_home):
     # The second turn re-reads the first turn's prompt from the cache (all but a partial block).
     covered = first_of_second["cached_tokens_device"] + first_of_second["cached_tokens_host"]
     assert covered >= 0.95 * last_of_first["prompt_tokens"], (covered, last_of_first["prompt_tokens"])
+    turn_two = first_of_second["prompt_tokens"]
+    print(f"turn 2: {covered}/{turn_two} prompt tokens from cache ({covered / turn_two:.1%})")
+    assert covered >= 0.90 * turn_two
+    assert first_of_second["session_id"] == second_result["session_id"]
+    print("status line:", status.stdout.strip())
+    assert status.returncode == 0, status.stderr
+    shown = re.match(r"smollm2-135m-instruct · cache (\d+)% (device|host) · queue .* · TTFT ", status.stdout)
+    assert shown and int(shown.group(1)) >= 90, status.stdout

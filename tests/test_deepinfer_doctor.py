@@ -1,4 +1,5 @@
-"""`ikcode doctor` against the gateway over the DeepInfer adapter (stand-in): the adapter that
+"""`ikcode doctor` against the gateway over the DeepInfer adapter on DeepInfer's real engine core
+(two rank processes on the CPU, tests/deepinfer_build/): the adapter that
 commits in finalize_seq passes the quality gate and the silent-miss check; the variant that
 commits at the final token (the published regression) fails both, for the right reason."""
 
@@ -10,17 +11,20 @@ import pytest
 
 from ikcode import auth
 from ikcode.admission import AdmissionConfig, AdmissionController
-from ikcode.doctor import FAIL, FULL, PASS, QUICK, DoctorContext, run_checks
+from ikcode.doctor import FAIL, FULL, PASS, QUICK, WARN, DoctorContext, run_checks
 from ikcode.gateway import BackgroundServer, GatewaySettings, create_app
 from ikcode.profiles import load_profile
-from tests.deepinfer_standin.harness import standin_engine
+from tests.deepinfer_build.harness import real_engine
 from tests.test_gateway_support import tiny_tokenizer
+
+pytestmark = pytest.mark.deepinfer
 
 CHECKS = ["endpoint", "contract", "quality_gate", "silent_miss"]
 
 
 def doctor_on_deepinfer(tmp_path, project, mode: str, **engine_config):
-    engine = standin_engine(ranks=2, num_gpu_blocks=1024, max_model_len=32768, **engine_config)
+    vocab = tiny_tokenizer().vocab_size
+    engine = real_engine(tmp_path / "di", ranks=2, blocks=2048, vocab=vocab, eos=2, **engine_config)
     controller = AdmissionController(engine, AdmissionConfig())
     controller.start()
     token = auth.load_or_create_token()
@@ -46,7 +50,11 @@ def doctor_on_deepinfer(tmp_path, project, mode: str, **engine_config):
 def test_doctor_passes_the_adapter_that_commits_in_finalize_seq(tmp_path, project, mode):
     results = doctor_on_deepinfer(tmp_path, project, mode)
     gate, miss = results["quality_gate"], results["silent_miss"]
-    assert gate.status == PASS, gate.detail
+    # Correctness only: the CPU model's TTFT on a shared machine is noise, and a speed target
+    # belongs in bench/, so a warning about warm-vs-cold TTFT alone is accepted here.
+    assert gate.status == PASS or (gate.status == WARN and "warm TTFT is not faster" in gate.detail), (
+        gate.detail
+    )
     assert all(d["match"] and d["warm_hit_rate"] >= 0.95 for d in gate.data["documents"])
     assert all(d["cold_hit_rate"] < 0.5 for d in gate.data["documents"])
     assert miss.status == PASS, miss.detail
@@ -58,4 +66,15 @@ def test_doctor_catches_the_final_token_commit(tmp_path, project):
     assert gate.status == FAIL and "read only 0.0% from cache" in gate.detail, gate.detail
     assert gate.data["documents"][0]["match"]  # answers agree: only the cache is broken
     assert miss.status == FAIL and "the cache never hit" in miss.detail, miss.detail
+    assert results["endpoint"].status == PASS and results["contract"].status == PASS
+
+
+def test_doctor_fails_when_the_engine_cannot_commit(tmp_path, project):
+    """Commits that raise inside finalize_seq are counted, not swallowed: doctor reads the count
+    from /metrics and fails, although every answer came back fine."""
+    from tests.deepinfer_build.cpu_runtime import ENV_FAIL_STATE_READ
+
+    results = doctor_on_deepinfer(tmp_path, project, QUICK, environment={ENV_FAIL_STATE_READ: "1"})
+    miss = results["silent_miss"]
+    assert miss.status == FAIL and "failed to commit" in miss.detail, miss.detail
     assert results["endpoint"].status == PASS and results["contract"].status == PASS

@@ -1,6 +1,7 @@
-"""The gateway and the admission layer, unchanged, over the DeepInfer adapter (on the stand-in):
-the official SDK on real HTTP at 127.0.0.1, a Claude Code shaped conversation over two data-
-parallel ranks; its second turn reads >= 95% of the first turn and its reply from cache."""
+"""The gateway and the admission layer, unchanged, over the DeepInfer adapter on DeepInfer's real
+engine core (two rank processes on the CPU, tests/deepinfer_build/): the official SDK on real HTTP
+at 127.0.0.1, streaming and not, a Claude Code shaped conversation per rank; its second turn
+reads >= 95% of the first turn and its reply from cache."""
 
 from __future__ import annotations
 
@@ -14,17 +15,20 @@ import pytest
 from ikcode.admission import AdmissionConfig, AdmissionController
 from ikcode.gateway import BackgroundServer, GatewaySettings, create_app
 from ikcode.gateway.claude_code_shape import claude_code_request, with_turn
-from tests.deepinfer_standin.harness import standin_engine, wait_released
+from tests.deepinfer_build.harness import real_engine, wait_quiet
 from tests.test_gateway_support import tiny_tokenizer
+
+pytestmark = pytest.mark.deepinfer
 
 SCALE = 0.2  # ~18K tokens of system + tools with the byte-level test vocabulary
 
 
 @pytest.fixture(scope="module")
-def engine():
-    engine = standin_engine(ranks=2, num_gpu_blocks=1024, max_model_len=32768)
+def engine(tmp_path_factory):
+    vocab = tiny_tokenizer().vocab_size
+    engine = real_engine(tmp_path_factory.mktemp("di"), ranks=2, blocks=640, vocab=vocab, eos=2)
     yield engine
-    engine.shutdown(drain_timeout_s=1)
+    engine.shutdown(drain_timeout_s=5)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_claude_code_conversation_hits_on_the_second_turn(engine, server):
         request["messages"][-1]["content"][-1]["text"] += f" ({session})"
         first = stream_call(client, request, session)
         first_prompt = first.usage.input_tokens + first.usage.cache_read_input_tokens
-        wait_released(engine)  # the first turn is committed when DeepInfer frees it
+        wait_quiet(engine)  # the first turn is committed when DeepInfer frees it
         echoed = [block.model_dump(exclude_none=True) for block in first.content]
         for block in echoed:
             block.pop("citations", None)
@@ -74,9 +78,19 @@ def test_claude_code_conversation_hits_on_the_second_turn(engine, server):
         second = stream_call(client, second_request, session)
         reused = first_prompt + first.usage.output_tokens
         assert second.usage.cache_read_input_tokens >= 0.95 * reused, (second.usage, reused)
-        wait_released(engine)
-    ranks_used = [w.rank for w in engine.ranks if w.cache.cache.stats.requests]
-    assert ranks_used == [0, 1]
+        wait_quiet(engine)
+    served = [c["rank"] for c in wait_quiet(engine) if c["forward_tokens"]]
+    assert served == [0, 1]
+
+
+def test_sdk_without_streaming(engine, server):
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+    message = client.messages.create(
+        model="claude-opus-4-8", max_tokens=12, messages=[{"role": "user", "content": "hello, deepinfer"}]
+    )
+    assert message.stop_reason in ("max_tokens", "end_turn") and message.usage.output_tokens >= 1
+    assert message.content and message.content[0].type == "text"
+    wait_quiet(engine)
 
 
 def test_metrics_and_errors_through_the_gateway(engine, server):
@@ -86,4 +100,4 @@ def test_metrics_and_errors_through_the_gateway(engine, server):
     too_long = {"model": "claude-opus-4-8", "max_tokens": 10, "messages": messages}
     response = httpx.post(server.url + "/v1/messages", json=too_long, timeout=30)
     assert response.status_code == 400 and "prompt is too long" in response.json()["error"]["message"]
-    wait_released(engine)
+    wait_quiet(engine)

@@ -67,8 +67,9 @@ def test_profile_becomes_the_adapter_settings_and_environment():
     assert (config.model, config.data_parallel_size, config.max_model_len) == ("/models/dsv4", 4, 1048576)
     assert config.max_num_seqs == 256 and config.gpu_memory_utilization == 0.9
     assert config.host_tier_blocks_per_rank > 0
-    env = config.process_environment()
-    assert env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    env = config.process_environment(2)  # rank 2's process: one GPU, the rendezvous address
+    assert env["CUDA_VISIBLE_DEVICES"] == "2"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29500")
     for key, value in REQUIRED_ENVIRONMENT.items():
         assert env[key] == value
     assert env["DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE"] == "compact"
@@ -76,23 +77,31 @@ def test_profile_becomes_the_adapter_settings_and_environment():
     assert config.yoco_keep_tokens == 140
 
 
-def test_block_table_patch_adds_one_binding_once(tmp_path):
-    from ikcode.engines.deepinfer.patches.apply import PatchError, apply
+@pytest.mark.deepinfer
+def test_block_table_patch_on_the_real_sdist(tmp_path):
+    """The patch against the sdist's own pybind_sequence.cpp: one binding after `branch_id`, an
+    already-patched check that `py::arg("block_table")` (:150) cannot satisfy, and a clear error
+    without its anchor. That the patched file compiles is shown by the engine-core build itself."""
+    import tarfile
 
-    src = tmp_path / "deepinfer-0.1.0" / "csrc" / "engine"
-    src.mkdir(parents=True)
-    binding = src / "pybind_sequence.cpp"
-    binding.write_text(
-        'py::class_<Sequence>(m, "Sequence")\n'
-        '    .def_readwrite("num_cached_tokens", &Sequence::num_cached_tokens)\n'
-        '    .def_readonly("state_id", &Sequence::state_id);\n'
-    )
-    assert apply(tmp_path / "deepinfer-0.1.0") is True
+    from ikcode.engines.deepinfer.patches.apply import BINDING, PatchError, apply
+    from tests.deepinfer_build import build
+
+    try:
+        sdist = build.fetch_sdist(build.cache_root())
+    except (build.BuildError, OSError) as err:
+        pytest.skip(f"the deepinfer sdist cannot be fetched: {err}")
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path, filter="data")
+    root = tmp_path / "deepinfer-0.1.0"
+    binding = root / "csrc" / "engine" / "pybind_sequence.cpp"
+    original = binding.read_text()
+    assert 'py::arg("block_table")' in original and BINDING not in original
+    assert apply(root) is True
     text = binding.read_text()
-    assert text.count('"block_table"') == 1
-    assert '.def_property_readonly("block_table", [](const Sequence &s) { return s.block_table; })' in text
-    assert text.index("num_cached_tokens") < text.index("block_table") < text.index("state_id")
-    assert apply(tmp_path / "deepinfer-0.1.0") is False  # idempotent
-    binding.write_text("nothing to anchor on\n")
-    with pytest.raises(PatchError):
-        apply(tmp_path / "deepinfer-0.1.0")
+    assert text.count(BINDING) == 1
+    assert text.index('"branch_id"') < text.index(BINDING) < text.index("py::class_<SequenceMetadata>")
+    assert apply(root) is False  # idempotent
+    binding.write_text(original.replace('"branch_id"', '"renamed"'))
+    with pytest.raises(PatchError, match="branch_id"):
+        apply(root)

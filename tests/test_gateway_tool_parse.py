@@ -1,4 +1,5 @@
-"""Output parsing: tool calls as they stream, malformed JSON as text, stop sequences."""
+"""Output parsing (Hermes format): tool calls as they stream, sloppy JSON repaired, malformed
+calls as text, stop sequences. Every format's round trip is in test_tool_formats.py."""
 
 from __future__ import annotations
 
@@ -7,14 +8,15 @@ import json
 import pytest
 
 from ikcode.gateway.reply_builder import ReplyBuilder, StopSequenceMatcher
-from ikcode.gateway.tool_parse import TextPiece, ToolCall, ToolCallParser
+from ikcode.gateway.tool_formats import HermesFormat, TextPiece, ToolArgsDelta, ToolCallEnd, ToolCallStart
 from ikcode.model.tokenizer import Tokenizer
+from tests.tool_calls import Call, collect
 
 CALL = '<tool_call>\n{"name": "Read", "arguments": {"path": "a.py"}}\n</tool_call>'
 
 
-def feed_chars(text: str) -> list[TextPiece | ToolCall]:
-    parser = ToolCallParser()
+def feed_chars(text: str) -> list:
+    parser = HermesFormat().new_parser([])
     out = []
     for ch in text:  # the worst case: one character per delta
         out += parser.feed(ch)
@@ -25,18 +27,52 @@ def texts(items) -> str:
     return "".join(i.text for i in items if isinstance(i, TextPiece))
 
 
+def calls(items) -> list[Call]:
+    return collect(items)[1]
+
+
 def test_tool_call_split_across_deltas():
     items = feed_chars("Let me look." + CALL)
-    calls = [i for i in items if isinstance(i, ToolCall)]
+    found = calls(items)
     assert texts(items) == "Let me look."
-    assert len(calls) == 1 and calls[0].name == "Read" and calls[0].input == {"path": "a.py"}
-    assert calls[0].id.startswith("toolu_") and len(calls[0].id) > 20
+    assert len(found) == 1 and found[0].name == "Read" and found[0].input == {"path": "a.py"}
+    assert found[0].id.startswith("toolu_") and len(found[0].id) > 20
 
 
 def test_several_calls_and_text_after():
     items = feed_chars(CALL + "\n" + CALL.replace("a.py", "b.py") + " done")
-    assert [i.input["path"] for i in items if isinstance(i, ToolCall)] == ["a.py", "b.py"]
+    assert [c.input["path"] for c in calls(items)] == ["a.py", "b.py"]
     assert texts(items) == "\n done"
+
+
+def test_arguments_stream_member_by_member_before_the_call_closes():
+    parser = HermesFormat().new_parser([])
+    head = '<tool_call>\n{"name": "Edit", "arguments": {"path": "a.py", "old": "x'
+    events = parser.feed(head)
+    assert [type(e) for e in events] == [ToolCallStart, ToolArgsDelta]  # "path" is complete
+    assert events[1].partial_json == '{"path": "a.py"'
+    events = parser.feed('", "new": "y"}}\n</tool_call>')
+    pieces = [e.partial_json for e in events if isinstance(e, ToolArgsDelta)]
+    assert pieces == [', "old": "x"', ', "new": "y"', "}"]
+    assert isinstance(events[-1], ToolCallEnd) and events[-1].input == {
+        "path": "a.py",
+        "old": "x",
+        "new": "y",
+    }
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        "<tool_call>{'name': 'Read', 'arguments': {'path': 'a.py',}}</tool_call>",  # Python-style quotes
+        '<tool_call>{"name": "Read", "arguments": {path: "a.py"}}</tool_call>',  # an unquoted key
+        '<tool_call>{"name": "Read", "arguments": {"path": "a.py", "all": True}}</tool_call>',
+    ],
+)
+def test_sloppy_json_is_repaired(raw):
+    found = calls(feed_chars(raw))
+    assert len(found) == 1 and found[0].input["path"] == "a.py"
+    assert json.loads(found[0].json) == found[0].input  # the streamed pieces are valid JSON
 
 
 @pytest.mark.parametrize(
@@ -51,14 +87,21 @@ def test_several_calls_and_text_after():
 )
 def test_malformed_calls_become_text(raw):
     items = feed_chars(raw)
-    assert not any(isinstance(i, ToolCall) for i in items)
+    assert not calls(items)
     assert texts(items) == raw
+
+
+def test_a_call_cut_mid_value_keeps_only_complete_arguments():
+    # max_tokens cut the second value: its half must not reach the tool.
+    items = feed_chars('<tool_call>{"name": "Write", "arguments": {"path": "a.py", "content": "def f(')
+    found = calls(items)
+    assert found[0].input == {"path": "a.py"} and json.loads(found[0].json) == {"path": "a.py"}
 
 
 def test_unclosed_but_complete_call_at_end_counts():
     items = feed_chars('<tool_call>\n{"name": "Bash", "arguments": "{\\"command\\": \\"ls\\"}"}\n')
-    calls = [i for i in items if isinstance(i, ToolCall)]
-    assert calls and calls[0].input == {"command": "ls"}
+    found = calls(items)
+    assert found and found[0].input == {"command": "ls"}
 
 
 def test_text_that_only_looks_like_a_tag_is_released():

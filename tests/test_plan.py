@@ -1,44 +1,64 @@
-"""`ikcode plan`: tier capacities and the verdict for the 4x B200 profile."""
+"""`ikcode plan`: the same per-card model as the simulator, and the same answer."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import pytest
 from click.testing import CliRunner
 
+from ikcode.admission import AdmissionConfig
+from ikcode.bench.hardware import HardwareModel
+from ikcode.bench.simulate import run_simulation
+from ikcode.bench.workload import AgentsWorkload
 from ikcode.cli import main
-from ikcode.engines.simulated import HardwareModel
 from ikcode.plan import VERDICT, plan
 from ikcode.profiles import load_profile
 
 
-def test_plan_numbers_for_the_published_sizes():
-    hw = HardwareModel.from_dict(load_profile("deepinfer-4xb200").hardware)
-    p = plan(hw, 450_000, 100)
-    assert p["kv_bytes_per_token"] == 6386
-    assert p["conversations_on_gpu"] == 57_000_000 // (450_000 + 200)
-    assert p["conversations_in_host"] == 617_000_000 // (450_000 + 200)
-    assert p["fits_gpu_all"] and p["verdict"] == VERDICT
+def hardware() -> HardwareModel:
+    return HardwareModel.from_dict(load_profile("deepinfer-4xb200").hardware)
+
+
+def test_published_sizes():
+    hw = hardware()
+    fits = plan(hw, 450_000, 100)
+    assert fits["fits"] and fits["verdict"] == VERDICT
     big = plan(hw, 500_000, 200)
-    assert not big["fits_gpu_all"]  # 200 x 500K = 100M tokens > 57M
-    assert big["conversations_on_gpu"] < 200 < big["conversations_on_gpu"] + big["conversations_in_host"]
-    assert 0 < big["active_at_once"] < 200
-
-
-def test_plan_cli_json():
-    result = CliRunner().invoke(
-        main, ["plan", "--profile", "deepinfer-4xb200", "--context", "500000", "--agents", "200", "--json"]
+    assert not big["fits"]
+    assert (
+        big["max_agents_at_this_size"] < 200 and big["over_by_agents"] == 200 - big["max_agents_at_this_size"]
     )
+    assert big["max_agents_resident"] < 120  # the published "about 120 conversations" at 475K each
+    assert big["predicted_wait_s"] > 0
+
+
+def test_plan_cli_says_it_does_not_fit():
+    args = ["plan", "--profile", "deepinfer-4xb200", "--context", "500000", "--agents", "200", "--json"]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
-    assert data["verdict"] == "size the GPU tier for sessions active at once"
-    assert data["agents"] == 200
+    assert data["fits"] is False and data["agents"] == 200
+    text = CliRunner().invoke(main, args[:-1])
+    assert "do not fit" in text.output
+
+
+def test_plan_and_simulator_agree_on_the_resident_limit():
+    """Small cards: below plan's limit the baseline keeps its hits; twice past it, it recomputes."""
+    hw = replace(hardware(), cards=2)
+    hw = replace(
+        hw, weights_bytes=2 * (hw.card_memory_bytes * hw.memory_utilization - 2e6 * hw.kv_bytes_per_token)
+    )
+    limit = plan(hw, 100_000, 1)["max_agents_resident"]
+    assert 10 <= limit <= 30
+    load = AgentsWorkload(agents=limit - 2, context_tokens=100_000, duration_s=300.0, ramp_s=20.0)
+    under = run_simulation(hw, AdmissionConfig(policy="fifo"), load)
+    over = run_simulation(hw, AdmissionConfig(policy="fifo"), replace(load, agents=2 * limit))
+    assert under["cached_token_share"] > 0.85
+    assert over["cached_token_share"] < 0.6
 
 
 def test_plan_refuses_an_empty_conversation_instead_of_dividing_by_zero():
-    import pytest
-
-    hw = HardwareModel()
     with pytest.raises(ValueError, match="context_tokens"):
-        plan(hw, 0, 10)
-    assert hw.cold_read_tokens_per_s(0) == 0.0
+        plan(HardwareModel(), 0, 10)

@@ -37,6 +37,8 @@ def test_settings_write_keeps_other_keys_backs_up_and_removes(tmp_path, monkeypa
     assert "ANTHROPIC_API_KEY" not in data["env"]
     for name in MODEL_ROLE_VARS:
         assert data["env"][name] == "smollm2-135m-instruct"
+    # A plain `claude` then knows the served model too (no unrecognized_model line).
+    assert data["modelOverrides"] == {"claude-opus-4-8": "smollm2-135m-instruct"}
     assert stat.S_IMODE(os.stat(local).st_mode) == 0o600
     backups = list(local.parent.glob("settings.local.json.bak-*"))
     assert backups and "ANTHROPIC_API_KEY" in backups[0].read_text()

@@ -1,11 +1,16 @@
-"""The simulated server: deterministic with a seed, real cache hits, fast."""
+"""The simulated DeepInfer server: per-rank memory, lockstep steps, the engine's prefill vote,
+the live router and cache; deterministic with a seed, and fast."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ikcode.admission import AdmissionConfig
+from ikcode.bench.hardware import HardwareModel
+from ikcode.bench.rank import SimRequest
+from ikcode.bench.server import SimulatedServer
 from ikcode.bench.simulate import run_simulation
 from ikcode.bench.workload import AgentsWorkload
-from ikcode.engines.simulated import HardwareModel
 from ikcode.profiles import load_profile
 
 
@@ -13,8 +18,18 @@ def hardware() -> HardwareModel:
     return HardwareModel.from_dict(load_profile("deepinfer-4xb200").hardware)
 
 
-def small(seed: int = 0) -> AgentsWorkload:
-    return AgentsWorkload(agents=10, context_tokens=60_000, duration_s=120.0, ramp_s=10.0, seed=seed)
+def small_cards(kv_tokens_per_card: int = 3_000_000, cards: int = 2) -> HardwareModel:
+    """Cards whose KV holds kv_tokens_per_card tokens (the rest of the profile's figures)."""
+    hw = replace(hardware(), cards=cards)
+    kv_bytes = kv_tokens_per_card * hw.kv_bytes_per_token
+    weights = cards * (hw.card_memory_bytes * hw.memory_utilization - kv_bytes)
+    return replace(hw, weights_bytes=weights)
+
+
+def small(seed: int = 0, **kw) -> AgentsWorkload:
+    base = dict(agents=10, context_tokens=60_000, duration_s=120.0, ramp_s=10.0, seed=seed)
+    base.update(kw)
+    return AgentsWorkload(**base)
 
 
 def strip(report: dict) -> dict:
@@ -31,16 +46,70 @@ def test_same_seed_same_report_other_seed_differs():
     assert strip(a)["ttft"] != strip(c)["ttft"]
 
 
-def test_hardware_reproduces_the_published_rates():
+def test_per_card_figures_follow_from_physics():
     hw = hardware()
-    assert abs(hw.cold_read_tokens_per_s(450_000) - 200_000) < 2_000
-    assert hw.device_tier_tokens // 475_000 == 120
-    assert hw.reload_seconds(450_000) < hw.prefill_seconds(0, 450_000) / 30
+    assert hw.weights_per_card_bytes == 71e9  # 284 GB over 4 cards
+    assert abs(hw.kv_bytes_per_card - 91e9) < 1e6  # 180 GB x 0.9 - 71 GB
+    assert hw.kv_tokens_per_card * hw.cards // 1_000_000 == 56  # the published ~57M GPU tier
+    assert abs(hw.cold_read_tokens_per_s() - 200_000) < 1  # the one calibrated figure
+    assert hw.copy_seconds(450_000) < hw.prefill_seconds(450_000) / 100  # reload << recompute
+    assert 0.015 < hw.decode_step_seconds(25 * 460_000) < 0.02  # weights + KV read per step
 
 
-def test_warm_turns_hit_the_real_cache_and_nothing_fails():
+def test_ranks_step_in_lockstep_and_a_short_prompt_waits_for_the_long_one():
+    """Two ranks: a 200K cold read on one, a 4K prompt on the other. The step lasts as long as its
+    slowest rank, so both first tokens come at the end of the same prefill step."""
+    server = SimulatedServer(small_cards(cards=2), AdmissionConfig(policy="fifo"), block_size=2048)
+    long = SimRequest("long", 1, 200_000, 2, 0.0, session_id="a")
+    short = SimRequest("short", 2, 4_000, 2, 0.0, session_id="b")
+    server.submit(long)
+    server.submit(short)
+    while short.first_token_at is None:
+        server.step(float("inf"))
+    assert {long.rank, short.rank} == {0, 1}  # the router spread the two new sessions
+    assert long.first_token_at == short.first_token_at
+    assert short.first_token_at >= server.hw.prefill_seconds(200_000)
+
+
+def test_prefill_waits_for_the_engines_vote():
+    """One rank with work of four: prefill runs at the first ANY point (100 decode steps), not
+    at once (scheduler.hpp:306-336)."""
+    hw = small_cards(cards=4)
+    server = SimulatedServer(hw, AdmissionConfig(policy="fifo"), block_size=2048)
+    req = SimRequest("r", 1, 4_096, 2, 0.0, session_id="a")
+    server.submit(req)
+    while req.first_token_at is None:
+        server.step(float("inf"))
+    idle_step = hw.decode_step_seconds(0)
+    assert server.decode_steps == hw.prefill_any_attempt_interval
+    assert req.first_token_at >= hw.prefill_any_attempt_interval * idle_step
+
+
+def test_a_session_stays_on_its_rank_and_memory_is_per_rank():
+    server_report = run_simulation(small_cards(cards=2), AdmissionConfig(policy="fifo"), small())
+    assert server_report["failed"] == 0
+    assert server_report["cached_token_share"] > 0.8  # warm turns found their prefix on their rank
+    assert [r["rank"] for r in server_report["ranks"]] == [0, 1]
+
+
+def test_overflow_is_recomputed_without_a_host_tier_and_reloaded_with_one():
+    """Twice the conversations a card holds: the baseline recomputes what fell out of its GPU tier
+    (its cached share collapses); ikcode's host tier reloads it over PCIe."""
+    hw = small_cards(kv_tokens_per_card=1_000_000, cards=2)
+    load = small(agents=24, context_tokens=100_000, duration_s=240.0, ramp_s=20.0)
+    fifo = run_simulation(hw, AdmissionConfig(policy="fifo"), load)
+    ikcode = run_simulation(hw, AdmissionConfig(policy="ikcode", shed=False, max_cold_prefills=2), load)
+    fits = run_simulation(hw, AdmissionConfig(policy="fifo"), replace(load, agents=6))
+    assert fits["cached_token_share"] > 0.8
+    assert fifo["cached_token_share"] < 0.5
+    assert fifo["cache"]["cached_tokens_total{cache_source=host}"] == 0
+    assert ikcode["cache"]["cached_tokens_total{cache_source=host}"] > 0
+    assert ikcode["cached_token_share"] > fifo["cached_token_share"]
+    assert fifo["failed"] == 0 and ikcode["failed"] == 0
+
+
+def test_steady_section_counts_turns_after_every_first_turn():
     report = run_simulation(hardware(), AdmissionConfig(policy="fifo"), small())
-    assert report["failed"] == 0
-    assert report["cached_token_share"] > 0.8
-    assert report["cache"]["prefix_cache_requests_total"] == report["requests"]
-    assert report["ttft"]["warm"]["p50"] < report["ttft"]["cold"]["p50"]
+    since = report["steady"]["from_s"]
+    assert since is not None and since > 0
+    assert report["steady"]["ttft"]["n"] + report["startup"]["ttft"]["n"] == report["completed"]

@@ -5,12 +5,13 @@ memory, the per-replica cold cap, warm first, and shedding new cold work with 52
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
 
 from ikcode.admission import AdmissionConfig
-from ikcode.engines.base import EngineOverloaded
+from ikcode.engines.base import CacheLookup, EngineOverloaded
 from ikcode.gateway import BackgroundServer, GatewaySettings
 from ikcode.upstream import UpstreamConfig, create_upstream_app
 from ikcode.upstream.admission import UpstreamAdmission
@@ -80,11 +81,18 @@ def test_cold_cap_per_replica_and_warm_first():
 
 def test_new_cold_work_is_shed_when_the_predicted_wait_exceeds_the_bound():
     async def main() -> None:
-        config = AdmissionConfig(cold_threshold_tokens=10, prefill_tokens_per_s=50, ttft_bound_s=1.0)
+        config = AdmissionConfig(
+            cold_threshold_tokens=10, prefill_tokens_per_s=50, ttft_bound_s=1.0, max_cold_prefills=1
+        )
         adm = UpstreamAdmission(config, [A])
+        # The replica's cold slot is free: a new session's cold turn starts, however long it reads.
+        busy = await adm.enter("busy", A, "other", [{"role": "user", "content": "v" * 2000}])
+        assert busy.cls == "cold"
+        # Now it is taken: the next new session cannot start before its retry would come back.
         with pytest.raises(EngineOverloaded) as info:
             await adm.enter("big", A, "new", [{"role": "user", "content": "w" * 2000}])
         assert 1 <= info.value.retry_after_s <= 60
+        adm.done("busy")
         # Deferred once: the same session's retry is queued, never shed again.
         again = await adm.enter("big2", A, "new", [{"role": "user", "content": "w" * 2000}])
         assert again.cls == "cold"
@@ -102,10 +110,18 @@ def test_front_sheds_with_529_and_retry_after_then_serves_warm(tmp_path):
         auth_tokens={"alice": FRONT_TOKEN},
         request_log_path=tmp_path / "front-requests.jsonl",
     )
-    admission = AdmissionConfig(cold_threshold_tokens=64, prefill_tokens_per_s=20, ttft_bound_s=2.0)
+    admission = AdmissionConfig(
+        cold_threshold_tokens=64, prefill_tokens_per_s=20, ttft_bound_s=2.0, max_cold_prefills=1
+    )
     upstream = UpstreamConfig(kind="anthropic", urls=[replica.url], token=UPSTREAM_TOKEN)
-    front = BackgroundServer(create_upstream_app(upstream, settings, admission)).start()
+    app = create_upstream_app(upstream, settings, admission)
+    front = BackgroundServer(app).start()
     try:
+        # Another session's cold prefill holds the replica's one cold slot (1000 tokens at 20/s).
+        policy = app.state.upstream.admission.policies[replica.url]
+        now = time.monotonic()
+        policy.offer(policy.make_ticket("busy", CacheLookup(1000), now, "other"), now)
+        assert [t.request_id for t in policy.admit(now)] == ["busy"]
         headers = {"x-api-key": FRONT_TOKEN, "x-claude-code-session-id": "sess-1"}
         first = [{"role": "user", "content": "hello there " * 40}]
         body = {"model": "tiny", "max_tokens": 4, "messages": first}
@@ -113,6 +129,7 @@ def test_front_sheds_with_529_and_retry_after_then_serves_warm(tmp_path):
         assert shed.status_code == 529 and shed.json()["error"]["type"] == "overloaded_error"
         assert 1 <= int(shed.headers["retry-after"]) <= 60
         assert replica.records() == []  # shed in front: the replica never saw it
+        policy.on_done("busy")
         served = httpx.post(front.url + "/v1/messages", json=body, headers=headers, timeout=30)
         assert served.status_code == 200  # the session's retry is queued, not shed again
         follow = first + [

@@ -1,6 +1,7 @@
-"""A tiny random-initialised Llama/Qwen2 model for fast tests: ModelConfig + seeded state dict.
+"""A tiny random-initialised Llama/Qwen2/Qwen3 model for fast tests: ModelConfig + seeded state dict.
 
 2 layers, d_model 64, 4 heads / 2 KV heads (GQA), vocab 300, Hugging Face tensor names, fp32.
+Qwen3 gets q/k norms and a head_dim of 32 (not 64 / 4), as its real configs decouple the two.
 Weights are scaled up a little so greedy decoding is not a flat, tie-ridden distribution.
 """
 
@@ -24,12 +25,13 @@ def tiny_config(architecture: str = "llama", tie: bool = False, **overrides) -> 
         num_layers=2,
         num_heads=4,
         num_kv_heads=2,
-        head_dim=16,
+        head_dim=32 if architecture == "qwen3" else 16,
         rope_theta=10000.0,
         rms_norm_eps=1e-5,
         max_position_embeddings=2048,
         tie_word_embeddings=tie,
         attention_bias=architecture == "qwen2",
+        qk_norm=architecture == "qwen3",
         bos_token_id=1,
         eos_token_ids=(TINY_EOS,),
         name=f"tiny-{architecture}",
@@ -60,6 +62,9 @@ def tiny_state_dict(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
         if cfg.attention_bias:
             for n, size in (("q", q_out), ("k", kv_out), ("v", kv_out)):
                 sd[p + f"self_attn.{n}_proj.bias"] = 0.1 * w(size, scale=1)
+        if cfg.qk_norm:
+            sd[p + "self_attn.q_norm.weight"] = 1 + 0.1 * w(cfg.head_dim, scale=1)
+            sd[p + "self_attn.k_norm.weight"] = 1 + 0.1 * w(cfg.head_dim, scale=1)
         sd[p + "mlp.gate_proj.weight"] = w(inter, d)
         sd[p + "mlp.up_proj.weight"] = w(inter, d)
         sd[p + "mlp.down_proj.weight"] = w(d, inter)

@@ -2,6 +2,7 @@
 
 from .config import POLICIES, AdmissionConfig
 from .controller import AdmissionController
+from .gate import RankGate
 from .policy import AdmissionPolicy, RequestClass, Ticket
 from .rate import PrefillRateEstimator
 
@@ -11,6 +12,7 @@ __all__ = [
     "AdmissionController",
     "AdmissionPolicy",
     "PrefillRateEstimator",
+    "RankGate",
     "RequestClass",
     "Ticket",
 ]

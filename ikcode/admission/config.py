@@ -19,8 +19,9 @@ class AdmissionConfig:
     # A request whose uncached tokens (after lookup; host-tier hits count as cached, since a
     # reload over PCIe is 30-90x cheaper than recomputing) exceed this is cold.
     cold_threshold_tokens: int = 32_768
-    # Cold prefills inside the engine at once. One or two keeps warm turns from queueing behind
-    # a wall of brand-new long conversations.
+    # Cold prefills inside the engine at once, on each rank (a data-parallel engine's rank has its
+    # own prefill compute and memory; see admission.gate). One or two keeps warm turns from
+    # queueing behind a wall of brand-new long conversations.
     max_cold_prefills: int = 2
     # Share of each step's prefill budget guaranteed to cold work while any is admitted, so a
     # stream of warm turns can never starve a cold one (engines that let us plan the step).
@@ -28,13 +29,15 @@ class AdmissionConfig:
     share_window_s: float = 10.0  # the cold share is measured over about this much step time
     # A cold request waiting this long ranks with the warm ones (aging: nothing starves).
     aging_s: float = 20.0
-    # Shed a NEW session's cold request (529 + retry-after) when its predicted TTFT exceeds this.
+    # Shed a NEW session's cold request (529 + retry-after) when its predicted TTFT exceeds this
+    # and it cannot start for at least min_retry_after_s (no rank has a free cold slot); the
+    # retry-after is the predicted wait, so it comes back when the work ahead of it is done.
     ttft_bound_s: float = 15.0
     shed: bool = True
     max_retry_after_s: int = 60  # Claude Code honours retry-after up to 60 s
     min_retry_after_s: int = 1
-    # Prior for the prefill rate (tokens/s of the whole server); refined online from completed
-    # prefills. 0 = no prior: nothing is shed until a few prefills were measured.
+    # Prior for the prefill rate (tokens/s of the whole server, all ranks); refined online from
+    # completed prefills. 0 = no prior: nothing is shed until a few prefills were measured.
     prefill_tokens_per_s: float = 0.0
     rate_ema_alpha: float = 0.2
     rate_min_tokens: int = 4096  # prefills smaller than this say little about the rate

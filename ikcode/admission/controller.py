@@ -31,6 +31,7 @@ from ikcode.engines.base import (
 )
 
 from .config import AdmissionConfig
+from .gate import RankGate, num_ranks
 from .policy import AdmissionPolicy, Ticket
 
 
@@ -43,6 +44,7 @@ class AdmissionController:
     ):
         self.engine = engine
         self.policy = AdmissionPolicy(config)
+        self.policy.num_ranks = num_ranks(engine)
         self.clock = clock
         self._cv = threading.Condition()
         self._streams: dict[str, RequestStream] = {}  # queued requests: the caller's stream
@@ -145,33 +147,16 @@ class AdmissionController:
         return t.cls.value if t else None
 
     # ---- internals ---------------------------------------------------------------------------
-    def _memory_gate(self) -> Callable[[Ticket], bool]:
-        """fits() for one admission round: the engine's memory is read once, and the blocks of the
-        tickets approved earlier in the round count against it (they have not allocated yet)."""
-        load: EngineLoad | None = None
-        promised = 0
-
-        def fits(ticket: Ticket) -> bool:
-            nonlocal load, promised
-            if load is None:
-                load = self.engine.load()
-            if load.kv_blocks_total <= 0:
-                return True  # the engine does not say: let it queue
-            need = -(-ticket.uncached_tokens // max(1, self.engine.info.block_size))
-            free = load.kv_blocks_total - load.kv_blocks_used - promised
-            if need <= free or (load.running == 0 and promised == 0):
-                promised += need
-                return True
-            return False
-
-        return fits
+    def _gate(self) -> RankGate:
+        """The gate for one admission round: each ticket's rank and whether its memory takes it."""
+        return RankGate(self.engine, self.policy.config.memory_gate)
 
     def _dispatch_loop(self) -> None:
         while True:
             with self._cv:
                 if self._stopping:
                     return
-                admitted = self.policy.admit(self.clock(), self._memory_gate())
+                admitted = self.policy.admit(self.clock(), self._gate())
                 if not admitted:
                     # Re-check now and then: aging and memory change without a notification.
                     self._cv.wait(timeout=0.05)

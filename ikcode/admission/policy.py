@@ -5,10 +5,12 @@ behind the real gateway (wall clock) and inside the simulator (virtual clock).
 
 Decisions:
   offer()        classify and predict TTFT at arrival; shed a NEW session's cold request whose
-                 predicted TTFT exceeds the bound (EngineOverloaded -> 529 + retry-after);
+                 predicted TTFT exceeds the bound and that no rank can start now
+                 (EngineOverloaded -> 529 + retry-after = its predicted wait);
                  a session is deferred at most once (its retry is queued).
   admit()        which queued requests enter the engine now: warm first, aged cold ranked with
-                 warm, at most max_cold_prefills cold ones prefilling at once.
+                 warm, at most max_cold_prefills cold ones prefilling at once on each rank, and
+                 on each rank in order while its memory lasts (the gate says where and whether).
   plan_prefill() how an engine that asks splits one step's prefill budget: warm tails first,
                  cold work guaranteed cold_share of it.
 """
@@ -16,10 +18,10 @@ Decisions:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections import Counter
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 from ikcode.engines.base import CacheLookup, EngineOverloaded
 
@@ -44,11 +46,20 @@ class Ticket:
     running_session: bool = False  # the session was served recently: never shed
     predicted_ttft_s: float = 0.0
     admitted_at: float | None = None
-    sharing: int = 1  # prefills in the engine when this one was admitted (rate estimate)
+    sharing: int = 1  # prefills on its rank when this one was admitted (rate estimate)
+    rank: int = 0  # the engine rank it runs on (data-parallel engines; else 0)
     payload: Any = None  # what the caller needs to submit it (EngineRequest, simulated request)
 
     def aged(self, now: float, aging_s: float) -> bool:
         return self.cls is RequestClass.COLD and now - self.arrived_at >= aging_s
+
+
+class Gate(Protocol):
+    """Where a ticket would run and whether it fits there now (admission.gate.RankGate)."""
+
+    def place(self, ticket: Ticket) -> int: ...
+
+    def fits(self, ticket: Ticket) -> bool: ...
 
 
 class AdmissionPolicy:
@@ -61,6 +72,9 @@ class AdmissionPolicy:
         self.inflight: dict[str, Ticket] = {}  # admitted, first token not yet out
         self.waits = {RequestClass.WARM: ClassWaits(), RequestClass.COLD: ClassWaits()}
         self._sessions: dict[str, float] = {}  # session id -> last admitted (or deferred) at
+        # Ranks of the engine (data parallel): each has its own prefill compute, so a cold read
+        # takes num_ranks times the server's rate divided evenly, and the cold cap is per rank.
+        self.num_ranks = 1
         self._step_s = 0.0  # decayed step time, all steps / steps that ran cold work
         self._cold_step_s = 0.0
 
@@ -95,7 +109,11 @@ class AdmissionPolicy:
         c = self.config
         if len(self.queue) >= c.max_queue:
             raise EngineOverloaded(f"admission queue full ({c.max_queue})", c.max_retry_after_s)
-        ticket.predicted_ttft_s = self.predict_ttft(ticket, now)
+        wait_s = self.predict_wait(ticket, now)
+        ticket.predicted_ttft_s = wait_s + self.prefill_seconds(ticket)
+        # Shed only what cannot start before its retry would come back: the work ahead of it
+        # keeps every rank busy meanwhile, so deferring it costs the server nothing, where a
+        # request sent away while a rank could take it leaves that rank idle.
         if (
             not self.fifo
             and c.shed
@@ -103,14 +121,14 @@ class AdmissionPolicy:
             and not ticket.running_session
             and self.rate.known
             and ticket.predicted_ttft_s > c.ttft_bound_s
+            and wait_s >= c.min_retry_after_s
         ):
             self.waits[RequestClass.COLD].shed += 1
             if ticket.session_id:
                 # Deferred once: its retry is queued, not shed again, so shedding spreads a
                 # burst of new sessions over time without ever failing one.
                 self._sessions[ticket.session_id] = now
-            excess = ticket.predicted_ttft_s - c.ttft_bound_s
-            retry = min(c.max_retry_after_s, max(c.min_retry_after_s, math.ceil(excess)))
+            retry = min(c.max_retry_after_s, math.floor(wait_s))
             raise EngineOverloaded(
                 f"predicted time to first token {ticket.predicted_ttft_s:.1f} s exceeds the "
                 f"{c.ttft_bound_s:.0f} s bound for new work; retry in {retry} s",
@@ -118,32 +136,42 @@ class AdmissionPolicy:
             )
         self.queue.append(ticket)
 
-    def predict_ttft(self, ticket: Ticket, now: float) -> float:
-        """Work that must be computed before this ticket's first token, at the estimated rate.
-
-        Warm: its own tokens (it goes first). Cold (and fifo): everything cold ahead of it,
-        in the queue and still prefilling, plus its own tokens.
-        """
+    def prefill_seconds(self, ticket: Ticket) -> float:
+        """Its own prefill, on one rank (a rank has 1/num_ranks of the server's rate)."""
         if not self.rate.known:
             return 0.0
-        own = ticket.uncached_tokens
-        if ticket.cls is RequestClass.WARM and not self.fifo:
-            return self.rate.seconds_for(own)
-        ahead = 0.0
+        return ticket.uncached_tokens * max(1, self.num_ranks) / self.rate.tokens_per_s
+
+    def predict_wait(self, ticket: Ticket, now: float) -> float:
+        """Seconds before this ticket's prefill can start, at the estimated rate.
+
+        Warm: none (it goes first). Cold (and fifo): none while a rank has a free cold slot and
+        no cold work is queued; else the cold work still prefilling on the rank that frees first
+        plus the queued cold work spread over the ranks.
+        """
+        if not self.rate.known or (ticket.cls is RequestClass.WARM and not self.fifo):
+            return 0.0
+        ranks = max(1, self.num_ranks)
+        rank_rate = self.rate.tokens_per_s / ranks
+        running = [0.0] * ranks
+        cold_on = [0] * ranks
         for t in self.inflight.values():
             if self.fifo or t.cls is RequestClass.COLD:
-                done = (now - (t.admitted_at or now)) * self.rate.tokens_per_s / max(1, t.sharing)
-                ahead += max(0.0, t.uncached_tokens - done)
-        for t in self.queue:
-            if self.fifo or t.cls is RequestClass.COLD:
-                ahead += t.uncached_tokens
-        return self.rate.seconds_for(ahead + own)
+                done = (now - (t.admitted_at or now)) * rank_rate / max(1, t.sharing)
+                running[t.rank % ranks] += max(0.0, t.uncached_tokens - done)
+                cold_on[t.rank % ranks] += 1
+        queued = sum(t.uncached_tokens for t in self.queue if self.fifo or t.cls is RequestClass.COLD)
+        if not self.fifo and not queued and min(cold_on) < self.config.max_cold_prefills:
+            return 0.0
+        return (min(running) + queued / ranks) / rank_rate
 
     # ---- admission ---------------------------------------------------------------------------
-    def admit(self, now: float, fits: Callable[[Ticket], bool] | None = None) -> list[Ticket]:
+    def admit(self, now: float, gate: Gate | None = None) -> list[Ticket]:
         """Tickets to hand to the engine now, in the order to submit them.
 
-        fits(ticket): whether the engine can take it now (device memory); None = always.
+        gate: where each ticket would run and whether the engine's memory there takes it now;
+        None = one rank, always fits. A ticket that does not fit holds back the tickets after
+        it on the same rank (whoever is first gets memory first); other ranks go on.
         """
         if not self.queue:
             return []
@@ -157,22 +185,28 @@ class AdmissionPolicy:
                 return (0 if warmish else 1, t.arrived_at)
 
             order = sorted(self.queue, key=rank)
-        cold_running = sum(1 for t in self.inflight.values() if t.cls is RequestClass.COLD)
+        cold_on = Counter(t.rank for t in self.inflight.values() if t.cls is RequestClass.COLD)
+        on_rank = Counter(t.rank for t in self.inflight.values())
+        held: set[int] = set()  # ranks whose head did not fit this round
         out: list[Ticket] = []
         for t in order:
-            if not self.fifo and t.cls is RequestClass.COLD and cold_running >= self.config.max_cold_prefills:
-                continue  # the cap; aged cold still waits for a cold slot
-            if fits is not None and self.config.memory_gate and not fits(t):
-                break  # keep the order: whoever is first gets memory first
-            cold_running += t.cls is RequestClass.COLD
+            r = gate.place(t) if gate is not None else 0
+            if r in held:
+                continue
+            if not self.fifo and t.cls is RequestClass.COLD and cold_on[r] >= self.config.max_cold_prefills:
+                continue  # the cap; aged cold still waits for a cold slot on its rank
+            if gate is not None and not gate.fits(t):
+                held.add(r)
+                continue
+            cold_on[r] += t.cls is RequestClass.COLD
+            on_rank[r] += 1
             out.append(t)
         if out:
             taken = {id(t) for t in out}
             self.queue = [t for t in self.queue if id(t) not in taken]
-            sharing = len(self.inflight) + len(out)
             for t in out:
                 t.admitted_at = now
-                t.sharing = sharing
+                t.sharing = on_rank[t.rank]
                 self.inflight[t.request_id] = t
                 self.waits[t.cls].record(now - t.arrived_at)
                 if t.session_id:
@@ -192,7 +226,8 @@ class AdmissionPolicy:
         if t is None or t.admitted_at is None:
             return
         tokens = t.uncached_tokens if computed_tokens is None else computed_tokens
-        self.rate.observe(tokens, now - t.admitted_at, t.sharing)
+        # The sample is its rank's rate (shared by the prefills there); the server has num_ranks.
+        self.rate.observe(tokens, now - t.admitted_at, t.sharing * max(1, self.num_ranks))
 
     def on_done(self, request_id: str) -> None:
         """Finished, aborted or failed: forget it if it never produced a first token."""

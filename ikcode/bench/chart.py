@@ -1,4 +1,5 @@
-"""The bench chart: p50 and p95 time to first token side by side, warm vs cold, per policy."""
+"""The bench chart: p50 and p95 time to first token, warm beside cold, all turns and the steady
+state (turns sent after every agent's first turn finished), per policy."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ def write_chart(reports: list[dict[str, Any]], path: str | Path, title: str = ""
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    classes = ("warm", "cold", "all")
-    colors = {"warm": "#2a9d8f", "cold": "#e76f51", "all": "#6c757d"}
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=False)
+    classes = ("warm", "cold", "all", "steady")
+    colors = {"warm": "#2a9d8f", "cold": "#e76f51", "all": "#6c757d", "steady": "#264653"}
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.4), sharey=False)
     width = 0.8 / len(classes)
     for ax, pct in zip(axes, ("p50", "p95"), strict=True):
         for k, cls in enumerate(classes):
-            xs = [i + (k - 1) * width for i in range(len(reports))]
-            ys = [(r["ttft"] if cls == "all" else r["ttft"][cls])[pct] for r in reports]
+            xs = [i + (k - 1.5) * width for i in range(len(reports))]
+            ys = [_block(r, cls)[pct] for r in reports]
             bars = ax.bar(xs, ys, width, label=cls, color=colors[cls])
             ax.bar_label(bars, labels=[f"{y:.1f}" for y in ys], fontsize=8, padding=2)
         ax.set_xticks(range(len(reports)), [str(r["config"].get("policy", "?")) for r in reports])
@@ -34,3 +35,11 @@ def write_chart(reports: list[dict[str, Any]], path: str | Path, title: str = ""
     fig.tight_layout()
     fig.savefig(str(path), dpi=110)
     plt.close(fig)
+
+
+def _block(report: dict[str, Any], cls: str) -> dict[str, Any]:
+    if cls == "all":
+        return report["ttft"]
+    if cls == "steady":
+        return report.get("steady", {}).get("ttft", {"p50": 0.0, "p95": 0.0})
+    return report["ttft"][cls]

@@ -44,13 +44,33 @@ def print_reports(reports: list[dict[str, Any]], console: Console | None = None)
             f"{r['computed_tokens_per_s']:,.0f}",
         )
     console.print(summary)
+    if any("steady" in r for r in reports):
+        steady = Table(title="steady state (turns sent after every agent's first turn finished) vs start-up")
+        for col in ("policy", "section", "from (s)", "n", "p50", "p95", "cold n", "cold p50", "cold p95"):
+            steady.add_column(col, justify="left" if col in ("policy", "section") else "right")
+        for r in reports:
+            since = r["steady"]["from_s"]
+            for name, block in (("steady", r["steady"]["ttft"]), ("start-up", r["startup"]["ttft"])):
+                steady.add_row(
+                    str(r["config"].get("policy", "-")) if name == "steady" else "",
+                    name,
+                    f"{since:.0f}" if since is not None and name == "steady" else "",
+                    str(block["n"]),
+                    f"{block['p50']:.2f}",
+                    f"{block['p95']:.2f}",
+                    str(block["cold"]["n"]),
+                    f"{block['cold']['p50']:.1f}",
+                    f"{block['cold']['p95']:.1f}",
+                )
+        console.print(steady)
     for r in reports:
         if "no_cache_read_tokens_per_s" in r:
-            console.print(
-                f"[dim]{r['config'].get('policy')}: no-cache read rate of this hardware "
-                f"{r['no_cache_read_tokens_per_s']:,.0f} tokens/s; simulated in "
-                f"{r['simulator']['wall_s']:.1f} s[/dim]"
-            )
+            from .published import comparisons
+
+            policy = r["config"].get("policy")
+            for line in comparisons(r):
+                console.print(f"[dim]{policy}: {line}[/dim]")
+            console.print(f"[dim]{policy}: simulated in {r['simulator']['wall_s']:.1f} s[/dim]")
 
 
 def write_json(reports: list[dict[str, Any]], path: str | Path) -> None:

@@ -49,12 +49,40 @@ def _ttft_block(values: list[float]) -> dict[str, float | int]:
     }
 
 
-def summarize(turns: list[TurnResult], duration_s: float, config: dict[str, Any]) -> dict[str, Any]:
-    """The bench report: TTFT split warm/cold, failures, cache share, read rate, the config."""
-    ok = [t for t in turns if not t.failed and t.ttft_s is not None]
+def _split(ok: list[TurnResult]) -> dict[str, Any]:
     ttft = _ttft_block([t.ttft_s for t in ok if t.ttft_s is not None])
     ttft["warm"] = _ttft_block([t.ttft_s for t in ok if not t.cold and t.ttft_s is not None])
     ttft["cold"] = _ttft_block([t.ttft_s for t in ok if t.cold and t.ttft_s is not None])
+    return ttft
+
+
+def steady_from(turns: list[TurnResult]) -> float | None:
+    """When every agent's first turn had finished (None if one never did): turns sent after it
+    are the steady state, those before it the start-up burst."""
+    first: dict[int, TurnResult] = {}
+    for t in turns:
+        if t.agent not in first or t.sent_at < first[t.agent].sent_at:
+            first[t.agent] = t
+    ends = [t.finished_at for t in first.values()]
+    if not ends or any(e is None for e in ends):
+        return None
+    return max(e for e in ends if e is not None)
+
+
+def summarize(turns: list[TurnResult], duration_s: float, config: dict[str, Any]) -> dict[str, Any]:
+    """The bench report: TTFT split warm/cold (all turns, steady state and start-up), failures,
+    cache share, read rate, the config."""
+    ok = [t for t in turns if not t.failed and t.ttft_s is not None]
+    ttft = _split(ok)
+    since = steady_from(turns)
+    steady = [t for t in ok if since is not None and t.sent_at > since]
+    steady_prompt = sum(t.prompt_tokens for t in steady)
+    steady_block: dict[str, Any] = {
+        "from_s": since,
+        "ttft": _split(steady),
+        "cached_token_share": sum(t.cached_tokens for t in steady) / steady_prompt if steady_prompt else 0.0,
+    }
+    startup = [t for t in ok if since is None or t.sent_at <= since]
     prompt = sum(t.prompt_tokens for t in ok)
     cached = sum(t.cached_tokens for t in ok)
     within = sum(1 for t in ok if t.ttft_s is not None and t.ttft_s <= 15.0)
@@ -65,6 +93,8 @@ def summarize(turns: list[TurnResult], duration_s: float, config: dict[str, Any]
         "failed": sum(1 for t in turns if t.failed),
         "shed_retries": sum(t.attempts - 1 for t in turns),
         "ttft": ttft,
+        "steady": steady_block,
+        "startup": {"ttft": _split(startup)},
         "share_within_15s": within / len(ok) if ok else 0.0,
         "cached_token_share": cached / prompt if prompt else 0.0,
         "prompt_tokens": prompt,

@@ -9,9 +9,11 @@ from typing import Any
 
 from ikcode.admission import AdmissionConfig
 from ikcode.engines.base import EngineOverloaded
-from ikcode.engines.simulated import HardwareModel, SimRequest, SimulatedServer
 
+from .hardware import HardwareModel
+from .rank import SimRequest
 from .results import TurnResult, summarize
+from .server import SimulatedServer
 from .workload import AgentScript, AgentsWorkload, Turn
 
 Progress = Callable[[float, int], None]  # (virtual seconds, turns done)
@@ -42,6 +44,9 @@ def run_simulation(
 
     def finished(req: SimRequest, turn: Turn, result: TurnResult) -> None:
         result.finished_at = req.finished_at
+        if req.failed:
+            result.failed = True
+            result.error = req.failed
         result.output_tokens = req.output_tokens
         nxt = scripts[turn.agent].next_turn(turn, server.now)
         if nxt is not None:
@@ -51,9 +56,6 @@ def run_simulation(
         if result is None:
             result = TurnResult(turn.agent, turn.conversation, turn.step, at, turn.prompt_tokens)
             results.append(result)
-            # The front end (send, parse, render, tokenize, hash) runs before admission sees it.
-            schedule(at + hardware.frontend_seconds(turn.prompt_tokens), turn, result)
-            return
         req = SimRequest(
             request_id=f"a{turn.agent}-c{turn.conversation}-s{turn.step}-{result.attempts}",
             conversation=turn.conversation,
@@ -81,8 +83,7 @@ def run_simulation(
                     schedule(nxt.at, nxt)
                 return
             result.attempts += 1
-            retry_at = at + err.retry_after_s
-            schedule(retry_at + hardware.frontend_seconds(turn.prompt_tokens), turn, result)
+            schedule(at + err.retry_after_s, turn, result)
 
     wall = time.perf_counter()
     last_report = 0.0
@@ -111,15 +112,34 @@ def run_simulation(
         "admission": dict(admission.__dict__),
     }
     report = summarize(results, end - start, config)
-    report["no_cache_read_tokens_per_s"] = hardware.cold_read_tokens_per_s(workload.context_tokens)
+    report["no_cache_read_tokens_per_s"] = hardware.cold_read_tokens_per_s()
     report["admission"] = server.policy.stats()
-    report["cache"] = server.cache.stats.to_dict()
+    report["cache"] = _merged_cache_stats(server)
+    report["ranks"] = [
+        {
+            "rank": r.index,
+            "kv_blocks": r.total_blocks,
+            "copied_tokens": r.copied_tokens,
+        }
+        for r in server.ranks
+    ]
     report["simulator"] = {
         "steps": server.steps,
+        "prefill_steps": server.prefill_steps,
         "wall_s": time.perf_counter() - wall,
         "busy_s": server.busy_s,
     }
     return report
+
+
+def _merged_cache_stats(server: SimulatedServer) -> dict[str, float]:
+    merged: dict[str, float] = {}
+    for rank in server.ranks:
+        for key, value in rank.cache.stats.to_dict().items():
+            merged[key] = merged.get(key, 0) + value
+    queries = merged.get("prefix_cache_queries_total", 0)
+    merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits_total", 0) / queries if queries else 0.0
+    return merged
 
 
 def _first(script: AgentScript) -> tuple[float, Turn]:

@@ -19,6 +19,7 @@ COMMANDS: dict[str, str] = {
     "plan": "ikcode.cli.plan:plan_command",
     "env": "ikcode.cli.launch:env_command",
     "settings": "ikcode.cli.launch:settings_command",
+    "statusline": "ikcode.cli.statusline:statusline_command",
     "claude": "ikcode.cli.launch:claude_command",
     "profiles": "ikcode.cli.launch:profiles_command",
     "token": "ikcode.cli.launch:token_command",

@@ -59,6 +59,11 @@ import click
     help="Replay a Mooncake-format trace through the profile's cache tiers instead.",
 )
 @click.option(
+    "--sensitivity",
+    is_flag=True,
+    help="With --simulate: the sensitivity table (ramp, run length, each hardware figure +-20%).",
+)
+@click.option(
     "--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write the JSON report."
 )
 @click.option(
@@ -70,9 +75,9 @@ def bench_command(**opts: Any) -> None:
 
     from ikcode.admission import AdmissionConfig
     from ikcode.bench.chart import write_chart
+    from ikcode.bench.hardware import HardwareModel
     from ikcode.bench.report import print_reports, write_json
     from ikcode.bench.workload import AgentsWorkload
-    from ikcode.engines.simulated import HardwareModel
     from ikcode.profiles import ProfileError, load_profile
 
     console = Console(stderr=True)
@@ -97,6 +102,8 @@ def bench_command(**opts: Any) -> None:
             opts["host_tokens"],
         )
         return
+    if opts["sensitivity"] and not simulate:
+        raise click.UsageError("--sensitivity needs --simulate")
     if "lru" in opts["policies"]:
         raise click.UsageError("--policy lru is a cache policy (use it with --trace); admission: fifo|ikcode")
 
@@ -136,8 +143,8 @@ def bench_command(**opts: Any) -> None:
             hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
             block = int(profile.cache.get("simulate_block_size", 2048))
             cache_policy = str(profile.cache.get("policy", "lru"))
-            for policy in opts["policies"] or ("fifo", "ikcode"):
-                admission = AdmissionConfig.from_dict(
+            admissions = [
+                AdmissionConfig.from_dict(
                     profile.admission,
                     policy=policy,
                     max_cold_prefills=opts["max_cold_prefills"],
@@ -146,6 +153,13 @@ def bench_command(**opts: Any) -> None:
                     aging_s=opts["aging_s"],
                     shed=False if opts["no_shed"] else None,
                 )
+                for policy in opts["policies"] or ("fifo", "ikcode")
+            ]
+            if opts["sensitivity"]:
+                _sensitivity(hw, admissions, workload, block, cache_policy, opts["json_path"], console)
+                return
+            for admission in admissions:
+                policy = admission.policy
                 console.print(
                     f"simulating {workload.agents} agents x {workload.context_tokens:,} tokens, "
                     f"policy {policy}, {workload.duration_s:.0f} s ..."
@@ -174,6 +188,32 @@ def bench_command(**opts: Any) -> None:
         write_chart(reports, opts["chart_path"], title)
     if any(r["failed"] for r in reports):
         sys.exit(1)
+
+
+def _sensitivity(
+    hw: Any,
+    admissions: list[Any],
+    workload: Any,
+    block: int,
+    cache_policy: str,
+    json_path: str | None,
+    console: Any,
+) -> None:
+    from ikcode.bench.sensitivity import format_rows, sensitivity_rows
+
+    rows = sensitivity_rows(
+        hw,
+        admissions,
+        workload,
+        block,
+        cache_policy,
+        progress=lambda label: console.print(f"[dim]  {label}[/dim]"),
+    )
+    click.echo(format_rows(rows))
+    if json_path:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump({"workload": workload.to_dict(), "hardware": hw.name, "rows": rows}, f, indent=2)
+            f.write("\n")
 
 
 def _profile_token(profile: Any) -> str | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from pathlib import Path
 
 import click
@@ -19,6 +21,11 @@ from ikcode.profiles import list_profiles
 base_url_option = click.option(
     "--base-url", default=None, metavar="URL", help="Use this endpoint instead of the profile's."
 )
+
+
+def statusline_command() -> str:
+    """How Claude Code runs `ikcode statusline`: this interpreter, so no PATH lookup is needed."""
+    return f"{shlex.quote(sys.executable)} -m ikcode statusline"
 
 
 def _guess_shell() -> str:
@@ -46,7 +53,10 @@ def env_command(profile_ref: str | None, base_url: str | None, shell: str | None
 @click.option("--remove", "action", flag_value="remove", help="Take the env block out again.")
 @click.option("--show", "action", flag_value="show", default=True, help="Show which source wins (default).")
 @click.option("--scope", type=click.Choice(["project", "user"]), default="project", show_default=True)
-def settings_command(profile_ref: str | None, base_url: str | None, action: str, scope: str) -> None:
+@click.option("--statusline", is_flag=True, help="With --write: make `ikcode statusline` the status line.")
+def settings_command(
+    profile_ref: str | None, base_url: str | None, action: str, scope: str, statusline: bool
+) -> None:
     """Write, remove or inspect the mapping in Claude Code's settings files."""
     profile = resolve_profile(profile_ref)
     mapping = mapping_for(profile, base_url)
@@ -54,8 +64,11 @@ def settings_command(profile_ref: str | None, base_url: str | None, action: str,
     try:
         if action == "write":
             path = claude_settings.scope_path(scope, project)
-            backup, removed = claude_settings.write_env_block(path, mapping)
+            command = statusline_command() if statusline else None
+            backup, removed = claude_settings.write_env_block(path, mapping, command)
             click.echo(f"wrote {len(mapping.set)} variables to {path}")
+            if command:
+                click.echo(f"status line: {command}")
             if removed:
                 click.echo(f"removed conflicting {', '.join(removed)}")
             if backup:
@@ -63,7 +76,7 @@ def settings_command(profile_ref: str | None, base_url: str | None, action: str,
             return
         if action == "remove":
             path = claude_settings.scope_path(scope, project)
-            backup, removed = claude_settings.remove_env_block(path, mapping.names)
+            backup, removed = claude_settings.remove_env_block(path, mapping.names, mapping.model_overrides)
             click.echo(
                 f"removed {len(removed)} variables from {path}" if removed else f"nothing to remove in {path}"
             )

@@ -24,12 +24,22 @@ import click
     help="Tokens per conversation.",
 )
 @click.option("--agents", type=int, default=100, show_default=True, help="Agents working at once.")
+@click.option(
+    "--simulate",
+    "check",
+    is_flag=True,
+    help="Also run the simulator at each limit, 10% under and 25% past it "
+    "(fifo: every session resident; ikcode: turns in flight).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
-def plan_command(profile_name: str, context_tokens: int, agents: int, as_json: bool) -> None:
-    """How many conversations each tier holds, and how many can be active at once."""
+def plan_command(profile_name: str, context_tokens: int, agents: int, check: bool, as_json: bool) -> None:
+    """Whether AGENTS agents of CONTEXT tokens fit the GPUs, by how much, and the most that do.
+
+    Example: ikcode plan --profile deepinfer-4xb200 --context 500000 --agents 200
+    """
     from rich.console import Console
 
-    from ikcode.engines.simulated import HardwareModel
+    from ikcode.bench.hardware import HardwareModel
     from ikcode.plan import plan
     from ikcode.profiles import ProfileError, load_profile
 
@@ -39,6 +49,17 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, as_json: b
             raise click.ClickException(f"profile {profile.name!r} has no [hardware] table to plan with")
         hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
         result = plan(hw, context_tokens, agents)
+        if check:
+            from ikcode.admission import AdmissionConfig
+            from ikcode.plan import simulate_limit
+
+            block = int(profile.cache.get("simulate_block_size", 2048))
+            # Each policy at its own limit: every session resident (fifo), turns in flight (ikcode).
+            fifo = AdmissionConfig.from_dict(profile.admission, policy="fifo")
+            ikcode = AdmissionConfig.from_dict(profile.admission, policy="ikcode")
+            result["simulated"] = simulate_limit(
+                hw, context_tokens, result["max_agents_resident"], fifo, block
+            ) + simulate_limit(hw, context_tokens, result["max_agents_at_this_size"], ikcode, block)
     except (ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:
@@ -48,22 +69,29 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, as_json: b
     gb = 1e9
     console.print(f"[bold]{hw.name}[/bold]: {context_tokens:,}-token conversations, {agents} agents")
     console.print(
-        f"  KV bytes per token          {result['kv_bytes_per_token']:,} B "
-        f"({result['conversation_bytes'] / gb:.2f} GB per conversation)"
+        f"  mean conversation           {result['mean_conversation_tokens']:,} tokens "
+        f"({result['conversation_bytes'] / gb:.2f} GB at {result['kv_bytes_per_token']:,} B/token)"
     )
     console.print(
-        f"  GPU tier                    {result['gpu_tier_tokens'] / 1e6:,.0f}M tokens "
-        f"({result['gpu_tier_bytes'] / gb:,.0f} GB): {result['conversations_on_gpu']:,} conversations"
+        f"  KV per card                 {result['kv_tokens_per_card'] / 1e6:.2f}M tokens, "
+        f"{result['usable_kv_tokens_per_card'] / 1e6:.2f}M under the 90% watermark"
     )
     console.print(
-        f"  host tier                   {result['host_tier_tokens'] / 1e6:,.0f}M tokens "
-        f"({result['host_tier_bytes'] / gb:,.0f} GB): {result['conversations_in_host']:,} conversations"
+        f"  every session resident      at most {result['max_agents_resident']} agents "
+        f"(the GPU tier alone, {result['gpu_tier_tokens'] / 1e6:.0f}M tokens)"
     )
     console.print(
-        f"  active at once (estimate)   ~{result['active_at_once']:.0f} of {agents} "
-        f"(busy {result['agent_busy_share']:.0%} of a {result['agent_cycle_s']:.1f} s turn cycle)"
+        f"  turns in flight             {result['turn_slots']} fit (a GPU hit is held twice while it runs); "
+        f"an agent has one in flight {result['agent_busy_share']:.0%} of the time"
     )
-    console.print(f"  most agents at this size    ~{result['max_agents_at_this_size']:,}")
-    console.print(f"  cold read / host reload     {result['cold_read_s']:.2f} s / {result['reload_s']:.3f} s")
+    console.print(f"  most agents at this size    {result['max_agents_at_this_size']}")
+    console.print(
+        f"  cold read / host reload     {result['cold_read_s']:.2f} s / {result['reload_s']:.3f} s (one card)"
+    )
     console.print(f"  {result['status']}")
+    for row in result.get("simulated", []):
+        console.print(
+            f"  simulated ({row['policy']}) {row['agents']:>4} agents: median {row['p50']:.1f} s, "
+            f"p95 {row['p95']:.1f} s, {row['cached_token_share']:.0%} from cache, {row['failed']} failed"
+        )
     console.print(f"[bold]verdict:[/bold] {result['verdict']}")

@@ -37,7 +37,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 def _plan_summary(ctx: DoctorContext) -> dict[str, Any] | None:
     if not ctx.profile.hardware:
         return None
-    from ikcode.engines.simulated import HardwareModel
+    from ikcode.bench.hardware import HardwareModel
     from ikcode.plan import plan
 
     try:
@@ -52,6 +52,7 @@ def _plan_summary(ctx: DoctorContext) -> dict[str, Any] | None:
         "conversations_on_gpu",
         "conversations_in_host",
         "active_at_once",
+        "fits",
         "max_agents_at_this_size",
         "status",
     )

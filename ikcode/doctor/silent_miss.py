@@ -115,7 +115,37 @@ def _break_cause(breaks: list[dict[str, Any]]) -> str:
     )
 
 
+def engine_commit_failures(ctx: DoctorContext) -> int:
+    """Cache commits the engine reported as failed (`ikcode_cache_commit_failures` on /metrics,
+    exposed by engines whose commit runs inside the engine's own release path, e.g. DeepInfer's
+    finalize_seq). 0 when the endpoint does not report it or cannot be read."""
+    from ikcode.doctor.client import EndpointClient
+
+    client = EndpointClient(ctx.base_url, ctx.token, read_timeout_s=30.0)
+    try:
+        response = client.get("/metrics")
+        if response.status_code != 200:
+            return 0
+        for line in response.text.splitlines():
+            if line.startswith("ikcode_cache_commit_failures "):
+                return int(float(line.split()[1]))
+    except Exception:
+        return 0
+    finally:
+        client.close()
+    return 0
+
+
 def check_silent_miss(ctx: DoctorContext) -> CheckResult:
+    failures = engine_commit_failures(ctx)
+    if failures:
+        return failed(
+            NAME,
+            f"the engine failed to commit {failures} finished request(s) to the prefix cache: "
+            "those prefixes will never be served from cache (the server log says why)",
+            "read the gateway log for 'cache commit failed'; fix the cause and restart",
+            commit_failures=failures,
+        )
     records = read_records(ctx.request_log)
     if records is None:
         return warned(NAME, "no request log here: cannot look for silent misses", NO_LOG_FIX)

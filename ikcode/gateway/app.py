@@ -30,6 +30,7 @@ from ikcode.gateway.request_log import RequestLog
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.settings import GatewaySettings
 from ikcode.gateway.state import Gateway
+from ikcode.gateway.tool_formats import tool_format_for
 
 logger = logging.getLogger("ikcode.gateway")
 
@@ -41,7 +42,9 @@ def create_app(
     renderer: Renderer | None = None,
 ) -> FastAPI:
     settings.validate()
-    renderer = renderer or Renderer(tokenizer)
+    if renderer is None:
+        template = getattr(tokenizer, "chat_template", None)
+        renderer = Renderer(tokenizer, tool_format=tool_format_for(template, settings.tool_format))
     context_window = settings.context_window or engine.info.context_window
     metrics = GatewayMetrics(
         engine, extra=lambda: {f"render_{k}": v for k, v in renderer.store.stats().items()}

@@ -10,6 +10,7 @@ result at the end-of-turn token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, Protocol
 
 ROLES = ("system", "user", "assistant")
@@ -54,11 +55,18 @@ def derive_chat_format(tokenizer: TokenizerLike, chat_template: str | None = Non
 
 
 def _special_strings(tokenizer: TokenizerLike) -> dict[str, str]:
+    """bos_token / eos_token as the template sees them, from the tokenizer's strings or ids."""
     specials = {}
     for name in ("bos_token", "eos_token"):
         value = getattr(tokenizer, name, None)
         if isinstance(value, str):
             specials[name] = value
+    bos_id = getattr(tokenizer, "bos_token_id", None)
+    eos_ids = getattr(tokenizer, "eos_token_ids", None) or ()
+    if "bos_token" not in specials and isinstance(bos_id, int):
+        specials["bos_token"] = tokenizer.decode([bos_id])
+    if "eos_token" not in specials and eos_ids:
+        specials["eos_token"] = tokenizer.decode([eos_ids[0]])
     return specials
 
 
@@ -71,6 +79,9 @@ def probe_template(chat_template: str, specials: dict[str, str]) -> ChatFormat |
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # What transformers' apply_chat_template provides (gpt-oss's template dates its system turn).
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         template = env.from_string(chat_template)
         order = ["system", "user", "assistant", "user"]
         messages = [{"role": r, "content": _SENTINEL[r] + str(i)} for i, r in enumerate(order)]
@@ -90,12 +101,17 @@ def probe_template(chat_template: str, specials: dict[str, str]) -> ChatFormat |
         pos = at + len(marker)
     start_and_sys_prefix = without_gen[: spans[0][0]]
     between = [without_gen[spans[i][1] : spans[i + 1][0]] for i in range(3)]
-    # A turn ends at its end-of-turn token; whitespace after it still belongs to the turn.
-    eot = _end_of_turn(between[1], specials.get("eos_token"))
+    # A turn ends at its end-of-turn token; whitespace after it still belongs to the turn. Some
+    # templates end only the assistant's turns (DeepSeek: <｜User｜>...<｜Assistant｜>...<eos>).
+    eot = _end_of_turn(between[1], specials.get("eos_token")) or _end_of_turn(
+        between[2], specials.get("eos_token")
+    )
     if eot is None:
         return None
 
     def split(gap: str) -> tuple[str, str]:
+        if eot not in gap:  # a turn without an end marker: the gap is the next turn's opening
+            return "", gap
         cut = gap.find(eot) + len(eot)
         while cut < len(gap) and gap[cut] in "\n ":
             cut += 1
@@ -122,3 +138,7 @@ def _end_of_turn(gap: str, eos: str | None) -> str | None:
         if candidate and candidate in gap:
             return candidate
     return None
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(message)

@@ -81,7 +81,8 @@ class Generation:
         self.lookup = lookup
         self.record = record
         self.arrived = arrived
-        self.builder = ReplyBuilder(gw.tokenizer, gw.renderer.stop_token_ids, stop_sequences)
+        parser = gw.renderer.tool_format.new_parser(rendered.tools)
+        self.builder = ReplyBuilder(gw.tokenizer, gw.renderer.stop_token_ids, stop_sequences, parser)
         self.reader = _EventReader(stream)
         self.stats: RequestStats | None = None
         self.first_token_at: float | None = None

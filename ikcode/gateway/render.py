@@ -9,7 +9,14 @@ generated ids the store keeps, keyed by the chain digest before it and its echoe
 
 What is stripped or ignored, on purpose: the `x-anthropic-billing-header` system line (it differs
 per conversation and would keep the long system prompt out of the shared cache) and
-`cache_control` markers (they move every turn). Mid-conversation system messages stay in place.
+`cache_control` markers (they move every turn). Mid-conversation system messages stay in place,
+and render the same whether sent as a string or as text blocks (Claude Code sends the newest one
+as blocks carrying the cache marker, and the same text as a string in later requests).
+
+Deferred tools (`defer_loading: true`) stay out of the tools section: the client lists them by
+name and loads one through its ToolSearch tool, whose tool_result holds a `tool_reference` block.
+The tool's definition is rendered there, in the conversation, so loading a tool appends to the
+prompt instead of changing its start (which would miss the cache for the whole conversation).
 """
 
 from __future__ import annotations
@@ -23,13 +30,21 @@ from typing import Any
 from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
-from ikcode.gateway.tool_format import tool_call_text, tool_response_text, tools_section
+from ikcode.gateway.tool_formats import (
+    CallItem,
+    ResultItem,
+    ToolFormat,
+    callable_tools,
+    choice_text,
+    tool_format_for,
+)
 
 BILLING_HEADER = "x-anthropic-billing-header"
 IMAGE_PLACEHOLDER = "[image omitted: the served model reads text only]"
 _ROOT = b"\x00" * 16
-# Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present.
-_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+# Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
+# tool format adds its own markers.
+_TAGS = ("<think>", "</think>")
 
 
 def _digest(data: bytes) -> bytes:
@@ -53,6 +68,7 @@ class RenderedPrompt:
     # (chain digest, token count) after each segment: equal digests mean equal token prefixes,
     # which lets block hashing resume where an earlier prompt of the conversation ended.
     boundaries: list[tuple[bytes, int]] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # callable tools, for the reply's parser
 
 
 def system_text(system: str | list[Any] | None) -> str:
@@ -97,10 +113,12 @@ class Renderer:
         chat_format: ChatFormat | None = None,
         store: ConversationStore | None = None,
         chat_template: str | None = None,
+        tool_format: ToolFormat | None = None,
     ):
         self.tokenizer = tokenizer
         template = chat_template or getattr(tokenizer, "chat_template", None)
         self.format = chat_format or derive_chat_format(tokenizer, template)
+        self.tool_format = tool_format or tool_format_for(template)
         self.store = store or ConversationStore()
         # Guard against tokenizers that add a BOS on every call: strip it per segment.
         self._auto = len(tokenizer.encode("", allow_special=False))
@@ -115,7 +133,8 @@ class Renderer:
         self._suffix_ids = {r: self._encode(fmt.suffix[r], True) for r in ROLES}
         # The assistant turn opens exactly like the generation prompt, so a reply fits in place.
         self._prefix_ids["assistant"] = self._gen_ids = self._encode(fmt.generation_prompt, True)
-        self._tag_ids = {t: i for t in _TAGS if (i := tokenizer.token_to_id(t)) is not None}
+        tags = _TAGS + self.tool_format.markers
+        self._tag_ids = {t: i for t in tags if (i := tokenizer.token_to_id(t)) is not None}
         self._tag_re = (
             re.compile("(" + "|".join(map(re.escape, self._tag_ids)) + ")") if self._tag_ids else None
         )
@@ -173,16 +192,30 @@ class Renderer:
         chain, fresh, count = _ROOT, 0, 0
         boundaries: list[tuple[bytes, int]] = []
         sys_text = system_text(system)
-        tools_text = tools_section(tools or [], tool_choice)
-        if tools_text:
-            sys_text = f"{sys_text}\n\n{tools_text}" if sys_text else tools_text
-        if sys_text:
+        deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
+        specs = callable_tools(tools or [])  # all of them for the reply's parser: a loaded one may be called
+        listed = [spec for spec in specs if spec["function"]["name"] not in deferred]
+        sys_prefix = self.format.prefix["system"]
+        if listed:
+            tools_text = self.tool_format.tools_text(listed)
+            if choice := choice_text(tool_choice):
+                tools_text += "\n\n" + choice
+            sys_text = self.tool_format.system_text(sys_text, tools_text)
+            sys_prefix = self.tool_format.system_prefix(sys_prefix)
+        if sys_text and sys_prefix != self.format.prefix["system"]:
+            key = _digest(b"system\x00" + sys_prefix.encode() + b"\x00" + sys_text.encode())
+            seg, n = self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
+            ids.extend(seg)
+            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
+            boundaries.append((chain, len(ids)))
+        elif sys_text:
             key = _digest(b"system\x00" + sys_text.encode())
             seg, n = self._segment("system", key, lambda: sys_text)
             ids.extend(seg)
             chain, fresh, count = _chain(chain, key), fresh + n, count + 1
             boundaries.append((chain, len(ids)))
         turns = _merge_assistant_turns(messages)
+        names = _call_names(turns)
         prefill = False
         for index, (role, content) in enumerate(turns):
             last = index == len(turns) - 1
@@ -196,8 +229,14 @@ class Renderer:
                     seg, n = self._segment(
                         "assistant", key, lambda c=content: self._assistant_text(c), not last
                     )
+            elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
+                key = _digest(b"results\x00" + json.dumps(parts).encode())
+                seg, n = self._marked_segment(key, parts)
             else:
-                text = self._user_text(content) if role == "user" else self._system_message_text(content)
+                if role == "user":
+                    text = self._user_text(content, names, deferred)
+                else:
+                    text = self._system_message_text(content)
                 key = _digest(role.encode() + b"\x00" + text.encode())
                 seg, n = self._segment(role, key, lambda t=text: t)
             ids.extend(seg)
@@ -206,7 +245,7 @@ class Renderer:
                 boundaries.append((chain, len(ids)))
         if not prefill:
             ids.extend(self._gen_ids)
-        return RenderedPrompt(ids, None if prefill else chain, fresh, count, boundaries)
+        return RenderedPrompt(ids, None if prefill else chain, fresh, count, boundaries, specs)
 
     def remember_reply(self, rendered: RenderedPrompt, content: list[Any], generated_ids: list[int]) -> None:
         """Keep the reply's generated ids for when the client sends this turn back."""
@@ -219,30 +258,73 @@ class Renderer:
         self.store.put_reply(rendered.reply_prefix_key, assistant_content_key(content), segment)
 
     # -- content -> text ----------------------------------------------------------------------
-    def _user_text(self, content: str | list[Any]) -> str:
-        if isinstance(content, str):
-            return content
-        parts = []
+    def _user_items(
+        self, content: list[Any], names: dict[str, str], deferred: dict[str, Any]
+    ) -> list[tuple[str, Any]]:
+        items: list[tuple[str, Any]] = []
         for block in content:
             kind = block.type
             if kind == "text":
-                parts.append(block.text)
+                items.append(("text", block.text))
             elif kind == "tool_result":
-                parts.append(tool_response_text(self._result_text(block.content), bool(block.is_error)))
+                name = names.get(block.tool_use_id, "")
+                text = self._result_text(block.content, deferred)
+                items.append(("result", ResultItem(block.tool_use_id, name, text, bool(block.is_error))))
             elif kind == "image":
                 raise invalid_request("image content is not supported: the served model reads text only")
             elif kind == "document":
-                parts.append(_document_text(block))
+                items.append(("text", _document_text(block)))
             elif kind in ("tool_use", "server_tool_use"):
                 raise invalid_request("messages: tool_use blocks may only appear in assistant messages")
             # thinking blocks in a user turn carry nothing for the model
-        return "\n".join(parts)
+        return items
 
-    def _result_text(self, content: str | list[Any] | None) -> str:
+    def _user_text(self, content: str | list[Any], names: dict[str, str], deferred: dict[str, Any]) -> str:
+        if isinstance(content, str):
+            return content
+        return self.tool_format.user_text(self._user_items(content, names, deferred))
+
+    def _result_parts(
+        self, content: str | list[Any], names: dict[str, str], deferred: dict[str, Any]
+    ) -> list[tuple[str, str, str]] | None:
+        """A user message with tool results, when the format gives results their own turns:
+        (prefix, body, suffix) texts, None for the user's markers. None: a plain user turn."""
+        if isinstance(content, str) or not any(block.type == "tool_result" for block in content):
+            return None
+        items = self._user_items(content, names, deferred)
+        results = [value for kind, value in items if kind == "result"]
+        turns = self.tool_format.result_turns(results)
+        if turns is None:
+            return None
+        user = self.format.prefix["user"], self.format.suffix["user"]
+        parts = [(markers.prefix, body, markers.suffix) for markers, body in turns]
+        texts = [value for kind, value in items if kind == "text"]
+        if texts:  # text beside the results: a user turn of its own after them
+            parts.append((user[0], self.tool_format.user_text([("text", t) for t in texts]), user[1]))
+        return parts
+
+    def _marked_segment(self, key: bytes, parts: list[tuple[str, str, str]]) -> tuple[list[int], int]:
+        ids = self.store.segment(key)
+        if ids is not None:
+            return ids, 0
+        ids, fresh = [], 0
+        for prefix, body, suffix in parts:
+            body_ids = self._encode_plain(body)
+            ids += self._encode(prefix, True) + body_ids + self._encode(suffix, True)
+            fresh += len(body_ids)
+        self.store.put_segment(key, ids)
+        return ids, fresh
+
+    def _result_text(self, content: str | list[Any] | None, deferred: dict[str, Any]) -> str:
         if content is None or isinstance(content, str):
             return content or ""
         parts = []
+        references = [block.tool_name for block in content if block.type == "tool_reference"]
+        if references:
+            parts.append(loaded_tools_text(references, deferred))
         for block in content:
+            if block.type == "tool_reference":
+                continue
             if block.type == "text":
                 parts.append(block.text)
             elif block.type == "image":  # e.g. Read on a picture: refusing would wedge the session
@@ -259,18 +341,36 @@ class Renderer:
     def _assistant_text(self, content: str | list[Any]) -> str:
         if isinstance(content, str):
             return content
-        parts = []
+        items: list[tuple[str, Any]] = []
         for block in content:
             kind = block.type
             if kind == "text":
-                parts.append(block.text)
+                items.append(("text", block.text))
             elif kind in ("tool_use", "server_tool_use"):
-                parts.append(tool_call_text(block.name, block.input))
+                items.append(("call", CallItem(block.id, block.name, block.input)))
             elif kind == "thinking":
-                parts.append(f"<think>\n{block.thinking}\n</think>")
+                items.append(("thinking", block.thinking))
             elif kind in ("tool_result", "image", "document"):
                 raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
-        return "\n".join(parts)
+        return self.tool_format.assistant_text(items)
+
+
+def loaded_tools_text(names: list[str], deferred: dict[str, Any]) -> str:
+    """Deferred tools loaded by a tool search, as its description promises the model: one
+    <function>{"description", "name", "parameters"}</function> line each inside <functions>."""
+    lines = []
+    for name in names:
+        tool = deferred.get(name)
+        if tool is None:  # not among this request's tools: the name is all there is to show
+            definition: dict[str, Any] = {"name": name}
+        else:
+            definition = {
+                "description": tool.description or "",
+                "name": name,
+                "parameters": tool.input_schema,
+            }
+        lines.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
+    return "<functions>\n" + "\n".join(lines) + "\n</functions>"
 
 
 def _document_text(block: Any) -> str:
@@ -285,6 +385,17 @@ def _document_text(block: Any) -> str:
     else:
         raise invalid_request("document content is supported only as plain text (source type 'text')")
     return f"{title}\n{text}" if title else text
+
+
+def _call_names(turns: list[tuple[str, Any]]) -> dict[str, str]:
+    """tool_use id -> tool name: some formats name the tool beside its result (gpt-oss)."""
+    return {
+        block.id: block.name
+        for role, content in turns
+        if role == "assistant" and not isinstance(content, str)
+        for block in content
+        if getattr(block, "type", None) in ("tool_use", "server_tool_use")
+    }
 
 
 def _merge_assistant_turns(messages: list[Any]) -> list[tuple[str, Any]]:

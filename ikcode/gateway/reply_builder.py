@@ -1,19 +1,27 @@
 """Generated token ids -> Anthropic content blocks and stream events.
 
 One pipeline for streaming and non-streaming answers: ids -> incremental detokenizer -> stop
-sequence matcher -> tool-call parser -> blocks. Each `push` returns the stream events it produced
-(content_block_start / content_block_delta / content_block_stop as dicts); `content` holds the
-finished blocks for a non-streaming answer and for the reply store.
+sequence matcher -> the tool format's parser -> blocks. A tool call's block opens as soon as the
+parser knows the call, and its arguments stream as input_json_delta pieces while it is generated.
+Each `push` returns the stream events it produced (content_block_start / content_block_delta /
+content_block_stop as dicts); `content` holds the finished blocks for a non-streaming answer and
+for the reply store.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ikcode.gateway.chat_format import TokenizerLike
 from ikcode.gateway.detokenize import IncrementalDetokenizer
-from ikcode.gateway.tool_parse import TextPiece, ToolCall, ToolCallParser
+from ikcode.gateway.tool_formats import (
+    HermesFormat,
+    ParseEvent,
+    StreamParser,
+    ToolArgsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
 
 JSON_CHUNK_CHARS = 256  # input_json_delta pieces, so large tool inputs still stream in steps
 
@@ -48,10 +56,17 @@ class StopSequenceMatcher:
 
 
 class ReplyBuilder:
-    def __init__(self, tokenizer: TokenizerLike, stop_token_ids: tuple[int, ...], stop_sequences: list[str]):
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        stop_token_ids: tuple[int, ...],
+        stop_sequences: list[str],
+        parser: StreamParser | None = None,
+    ):
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids=stop_token_ids)
         self._stops = StopSequenceMatcher(stop_sequences)
-        self._parser = ToolCallParser()
+        self._parser = parser or HermesFormat().new_parser([])
+        self._open_tool: int | None = None  # index of the tool_use block being written
         self.generated_ids: list[int] = []
         self.content: list[dict[str, Any]] = []
         self._open_text: int | None = None  # index of the text block being written
@@ -88,12 +103,15 @@ class ReplyBuilder:
         return events
 
     # -- blocks -------------------------------------------------------------------------------
-    def _emit(self, items: list[TextPiece | ToolCall]) -> list[dict[str, Any]]:
+    def _emit(self, items: list[ParseEvent]) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         for item in items:
-            if isinstance(item, ToolCall):
-                events += self._close_text()
-                events += self._tool_events(item)
+            if isinstance(item, ToolCallStart):
+                events += self._close_text() + self._tool_start(item)
+            elif isinstance(item, ToolArgsDelta):
+                events += self._tool_delta(item.partial_json)
+            elif isinstance(item, ToolCallEnd):
+                events += self._tool_end(item.input)
             else:
                 events += self._text_events(item.text)
         return events
@@ -125,16 +143,27 @@ class ReplyBuilder:
         index, self._open_text = self._open_text, None
         return [{"type": "content_block_stop", "index": index}]
 
-    def _tool_events(self, call: ToolCall) -> list[dict[str, Any]]:
-        index = len(self.content)
-        self.content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": call.input})
+    def _tool_start(self, call: ToolCallStart) -> list[dict[str, Any]]:
+        self._open_tool = len(self.content)
+        self.content.append({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
         block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
-        events: list[dict[str, Any]] = [
-            {"type": "content_block_start", "index": index, "content_block": block}
+        return [{"type": "content_block_start", "index": self._open_tool, "content_block": block}]
+
+    def _tool_delta(self, partial_json: str) -> list[dict[str, Any]]:
+        assert self._open_tool is not None, "arguments before their call"
+        step = JSON_CHUNK_CHARS
+        pieces = [partial_json[at : at + step] for at in range(0, len(partial_json), step)]
+        return [
+            {
+                "type": "content_block_delta",
+                "index": self._open_tool,
+                "delta": {"type": "input_json_delta", "partial_json": piece},
+            }
+            for piece in pieces
         ]
-        raw = json.dumps(call.input, ensure_ascii=False)
-        for at in range(0, len(raw), JSON_CHUNK_CHARS):
-            delta = {"type": "input_json_delta", "partial_json": raw[at : at + JSON_CHUNK_CHARS]}
-            events.append({"type": "content_block_delta", "index": index, "delta": delta})
-        events.append({"type": "content_block_stop", "index": index})
-        return events
+
+    def _tool_end(self, tool_input: dict[str, Any]) -> list[dict[str, Any]]:
+        assert self._open_tool is not None, "the end of a call that never started"
+        index, self._open_tool = self._open_tool, None
+        self.content[index]["input"] = tool_input
+        return [{"type": "content_block_stop", "index": index}]

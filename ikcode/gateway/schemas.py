@@ -43,10 +43,17 @@ class ToolUseBlock(_Open):
     input: dict[str, Any]
 
 
+class ToolReferenceBlock(_Open):
+    """A deferred tool loaded by a tool search: its definition enters the prompt here."""
+
+    type: Literal["tool_reference"]
+    tool_name: StrictStr
+
+
 class ToolResultBlock(_Open):
     type: Literal["tool_result"]
     tool_use_id: StrictStr
-    content: StrictStr | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    content: StrictStr | list[TextBlock | ImageBlock | DocumentBlock | ToolReferenceBlock] | None = None
     is_error: StrictBool | None = None
 
 
@@ -89,6 +96,8 @@ class Tool(_Open):
     description: StrictStr | None = None
     input_schema: dict[str, Any] | None = None
     type: StrictStr | None = None  # server tools ("web_search_20250305", ...) carry a type
+    # A deferred tool stays out of the prompt until a tool_reference block loads it.
+    defer_loading: StrictBool | None = None
 
 
 class ToolChoice(_Open):

@@ -39,6 +39,7 @@ class GatewaySettings:
     # How long the cache keeps an agent session's tail on the device after a step (needs the
     # "ikcode" cache policy; plain LRU ignores holds). None: no holds.
     session_hold_s: float | None = 60.0
+    tool_format: str = ""  # a gateway/tool_formats name; "" = chosen from the model's chat template
 
     @property
     def salts_per_user(self) -> bool:

@@ -123,7 +123,7 @@ def write_settings_file(mapping: Mapping) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump({"env": mapping.set}, handle, indent=2)
+        json.dump({"env": mapping.set, "modelOverrides": mapping.model_overrides}, handle, indent=2)
     os.replace(tmp, path)
     return path
 

@@ -33,6 +33,15 @@ CONFLICTING_VARS: tuple[str, ...] = (
     "CLAUDE_CODE_USE_FOUNDRY",
 )
 
+# Claude Code prints `[claude-code:unrecognized_model] {...}` on stderr for every model id it does
+# not know. It stays quiet when a settings file's `modelOverrides` maps a Claude model id it knows
+# to that id (2.1.332: the check returns early when `dSe(model)` holds, and `dSe` resolves the id
+# through `Rt().modelOverrides`, keeping keys that name a known model). The key chosen is the
+# client's own default main-loop model, whose request shape (adaptive thinking, effort, the
+# mid-conversation betas) is the one it sends for an unknown model too; the window and output
+# limits still come from the variables below.
+DECLARED_AS_MODEL = "claude-opus-4-8"
+
 FIXED_VARS: dict[str, str] = {
     # The attribution line in system[0] differs per conversation and defeats prefix caching.
     "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",
@@ -47,6 +56,8 @@ class Mapping:
 
     set: dict[str, str] = field(default_factory=dict)
     unset: tuple[str, ...] = ()
+    # Settings-file keys beside `env` (a settings file only; the client reads no variable for it).
+    model_overrides: dict[str, str] = field(default_factory=dict)
 
     def apply(self, environ: dict[str, str]) -> dict[str, str]:
         """A copy of environ with the mapping applied (for launching the child)."""
@@ -85,4 +96,7 @@ def claude_env(
     values.update(compaction_env(context_window, compact_at_fraction))
     unset = CONFLICTING_VARS if token else tuple(v for v in CONFLICTING_VARS if v != "ANTHROPIC_API_KEY")
     unset += COMPACTION_UNSET_VARS
-    return Mapping(set=values, unset=unset)
+    # The picker's label for the served model (the opus role is where the main loop points).
+    values["ANTHROPIC_DEFAULT_OPUS_MODEL_NAME"] = served_model
+    values["ANTHROPIC_DEFAULT_OPUS_MODEL_DESCRIPTION"] = f"{served_model} served by ikcode"
+    return Mapping(set=values, unset=unset, model_overrides={DECLARED_AS_MODEL: served_model})

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ikcode.launcher.rolemap import Mapping
+from ikcode.launcher.statusline import statusline_setting
 
 SECRET_VARS = ("ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_API_KEY")
 
@@ -77,8 +78,12 @@ def _write(path: Path, data: dict) -> Path | None:
     return backup
 
 
-def write_env_block(path: Path, mapping: Mapping) -> tuple[Path | None, list[str]]:
-    """Merge the mapping into path's env block, keeping every other key. Returns (backup, removed)."""
+def write_env_block(
+    path: Path, mapping: Mapping, statusline_command: str | None = None
+) -> tuple[Path | None, list[str]]:
+    """Merge the mapping into path's env block, keeping every other key. Returns (backup, removed).
+
+    With a statusline_command, Claude Code's `statusLine` runs it (replacing the file's own)."""
     data = read_settings(path)
     env = dict(data.get("env", {}))
     removed = [name for name in mapping.unset if name in env]
@@ -86,15 +91,31 @@ def write_env_block(path: Path, mapping: Mapping) -> tuple[Path | None, list[str
         del env[name]
     env.update(mapping.set)
     data["env"] = env
+    if mapping.model_overrides:
+        overrides = data.get("modelOverrides")
+        data["modelOverrides"] = {
+            **(overrides if isinstance(overrides, dict) else {}),
+            **mapping.model_overrides,
+        }
+    if statusline_command:
+        data["statusLine"] = statusline_setting(statusline_command)
     return _write(path, data), removed
 
 
-def remove_env_block(path: Path, names: tuple[str, ...]) -> tuple[Path | None, list[str]]:
-    """Take the mapping's variables out of path's env block again."""
+def remove_env_block(
+    path: Path, names: tuple[str, ...], model_overrides: dict[str, str] | None = None
+) -> tuple[Path | None, list[str]]:
+    """Take the mapping's variables (and the model overrides it wrote) out of path again."""
     data = read_settings(path)
     env = dict(data.get("env", {}))
     removed = [name for name in names if name in env]
-    if not removed:
+    overrides = data.get("modelOverrides")
+    ours = [
+        key
+        for key, value in (model_overrides or {}).items()
+        if isinstance(overrides, dict) and overrides.get(key) == value
+    ]
+    if not removed and not ours:
         return None, []
     for name in removed:
         del env[name]
@@ -102,7 +123,13 @@ def remove_env_block(path: Path, names: tuple[str, ...]) -> tuple[Path | None, l
         data["env"] = env
     else:
         data.pop("env", None)
-    return _write(path, data), removed
+    if ours:
+        kept = {k: v for k, v in overrides.items() if k not in ours}
+        if kept:
+            data["modelOverrides"] = kept
+        else:
+            data.pop("modelOverrides", None)
+    return _write(path, data), removed + [f"modelOverrides.{key}" for key in ours]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The architecture description shared by the loaders and the model (Llama and Qwen2 families)."""
+"""The architecture description shared by the loaders and the model (Llama, Qwen2, Qwen3 families)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # "llama", "qwen2" or "qwen3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -20,6 +20,9 @@ class ModelConfig:
     max_position_embeddings: int = 8192  # the model's context window
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v bias (Qwen2)
+    # RMSNorm over each head of q and k before RoPE (Qwen3): keeps attention logits bounded, which is
+    # why Qwen3 drops the q/k/v bias and may use a head_dim other than hidden_size / num_heads.
+    qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = "model"

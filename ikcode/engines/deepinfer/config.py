@@ -27,7 +27,10 @@ class DeepInferConfig:
     max_model_len: int = 131072  # DeepInfer's default is 4096: always set it explicitly
     max_num_seqs: int = 64
     gpu_memory_utilization: float = 0.9
-    chunked_prefill: int = 8192
+    # DeepInfer's chunked_prefill is a bool (arg_utils.py:42); the chunk is max_num_batched_tokens,
+    # which defaults to max_model_len (config.py:228).
+    chunked_prefill: bool = True
+    max_num_batched_tokens: int | None = 8192
     served_model: str = "deepseek-v4.1-flash"
     eos_token_ids: tuple[int, ...] | None = None  # None: read from <model>/config.json
     vocab_size: int | None = None  # None: read from <model>/config.json
@@ -49,7 +52,12 @@ class DeepInferConfig:
     # requests than the least loaded one.
     affinity_max_imbalance: int = 8
     idle_wait_s: float = 0.01
-    dist_init_addr: str = "127.0.0.1:29500"
+    master_addr: str = "127.0.0.1"  # MASTER_ADDR / MASTER_PORT of the ranks' gloo rendezvous
+    master_port: int = 29500  # DeepInfer connects to MASTER_PORT - 50 (utils.py:222-230)
+    # The code that provides the deepinfer names in each rank process: "deepinfer" (the installed
+    # package) or "module:function" returning them (the CPU test harness, see docs/deepinfer.md).
+    backend: str = "deepinfer"
+    rank_start_timeout_s: float = 600.0
     visible_devices: str = ""  # CUDA_VISIBLE_DEVICES; "" = the first data_parallel_size cards
     environment: dict[str, str] = field(default_factory=dict)  # on top of REQUIRED_ENVIRONMENT
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra EngineArgs fields
@@ -66,15 +74,25 @@ class DeepInferConfig:
 
     @property
     def yoco_keep_tokens(self) -> int:
-        return int(self.process_environment()["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
+        return int(self.process_environment(0)["DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"])
 
-    def process_environment(self) -> dict[str, str]:
-        """Variables set before deepinfer is imported (the ranks share this process)."""
+    @property
+    def extra_state_tokens(self) -> int:
+        return int(self.process_environment(0).get("DEEPINFER_PREFILL_STORE_EXTRA_SIZE", "128"))
+
+    def devices(self) -> list[str]:
+        given = [d.strip() for d in self.visible_devices.split(",") if d.strip()]
+        return given or [str(i) for i in range(self.data_parallel_size)]
+
+    def process_environment(self, rank: int) -> dict[str, str]:
+        """Variables set in rank `rank`'s process before deepinfer is imported: one visible GPU
+        (each engine uses cuda:0 of its own process) and the rendezvous address."""
         env = dict(REQUIRED_ENVIRONMENT)
         env.update({k: str(v) for k, v in self.environment.items()})
-        env["CUDA_VISIBLE_DEVICES"] = self.visible_devices or ",".join(
-            str(i) for i in range(self.data_parallel_size)
-        )
+        devices = self.devices()
+        env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
+        env["MASTER_ADDR"] = self.master_addr
+        env["MASTER_PORT"] = str(self.master_port)
         return env
 
     def model_facts(self) -> tuple[tuple[int, ...], int]:

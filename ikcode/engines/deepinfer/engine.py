@@ -1,18 +1,22 @@
-"""DeepInferEngine: the Engine protocol over DeepInfer's LLMEngine, one engine thread per
-data-parallel rank, with ikcode's prefix cache.
+"""DeepInferEngine: the Engine protocol over DeepInfer, one OS process per data-parallel rank
+(rank_process.py), with ikcode's prefix cache in each rank.
 
-The rank threads run in lockstep: every iteration each rank prepares (new work, aborts,
-admission, eviction), all meet at a barrier that decides together whether to stop or idle, then
-every rank, idle ones included, calls has_unfinished_requests() and step() (or
-flush_inflight_reqs()), as DeepInfer's DP ranks must (facts: Several GPUs; entrypoints/llm.py:176-186).
+The gateway process spawns the ranks (multiprocessing, spawn; MASTER_ADDR / MASTER_PORT and one
+visible GPU each), routes each request to a rank (session affinity, then the rank holding the
+longest prefix), and turns the ranks' messages into RequestStreams and lifecycle events. A rank
+that dies is detected by its pipe closing: its requests fail at once, the other ranks (which
+would wait for it in their next collective) are stopped, and the engine refuses new work with
+the reason. Shutdown drains, tells the ranks to stop together, and joins them.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
+import multiprocessing
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from ikcode.cache import hash_blocks
@@ -23,50 +27,59 @@ from ikcode.engines.base import (
     EngineLoad,
     EngineRequest,
     EngineShutdown,
+    FinishReason,
     LifecycleEvent,
     LifecycleKind,
     LifecycleListener,
     RequestStream,
+    TokenEvent,
     check_request,
 )
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
-from ikcode.engines.deepinfer.rank import RankWorker
-from ikcode.engines.deepinfer.request import RankRequest
+from ikcode.engines.deepinfer.host_pool import HostPool
+from ikcode.engines.deepinfer.rank_process import RankSpec, rank_main
 from ikcode.engines.deepinfer.routing import SessionRouter
 
 log = logging.getLogger(__name__)
+RPC_TIMEOUT_S = 60.0
+
+
+class _Rank:
+    def __init__(self, rank: int, process: Any, conn: Any):
+        self.rank, self.process, self.conn = rank, process, conn
+        self.send_lock = threading.Lock()
+        self.ready = threading.Event()
+        self.info: dict[str, Any] = {}
+        self.load = EngineLoad()
+        self.requests: set[str] = set()
+        self.reader: threading.Thread | None = None
+
+    def send(self, message: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(message)
 
 
 class DeepInferEngine:
-    def __init__(self, config: DeepInferConfig, backend: Any = None):
-        """backend: the deepinfer names (LLMEngine, EngineArgs, SamplingParams); None imports the
-        real package after checking the machine (tests pass the stand-in)."""
+    def __init__(self, config: DeepInferConfig):
         config.validate()
         self.config = config
-        if backend is None:
-            from ikcode.engines.deepinfer.machine import check_machine, load_backend
-
-            check_machine(config.data_parallel_size)
-            backend = load_backend(config.process_environment())
         eos, vocab = config.model_facts()
+        self._eos = eos
         self._info = EngineInfo(
             model_name=config.served_model, context_window=config.max_model_len, vocab_size=vocab,
             eos_token_ids=eos, block_size=KVSTORE_GRAIN, kind="deepinfer", device="cuda",
         )  # fmt: skip
         self._listeners: list[LifecycleListener] = []
-        dp = config.data_parallel_size
-        self.ranks = [RankWorker(r, backend, config, eos, self._emit) for r in range(dp)]
-        self.router = SessionRouter(len(self.ranks), config.affinity_max_imbalance)
-        self._owner: dict[str, RankWorker] = {}
-        self._owner_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._barrier = threading.Barrier(len(self.ranks), action=self._decide)
-        self._decision = (False, False)  # (stop, idle), the same for every rank in an iteration
-        self._busy = [False] * len(self.ranks)
-        self._threads: list[threading.Thread] = []
+        self.router = SessionRouter(config.data_parallel_size, config.affinity_max_imbalance)
+        self._lock = threading.Lock()
+        self._streams: dict[str, tuple[RequestStream, _Rank]] = {}
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self.ranks: list[_Rank] = []
+        self.host_pool: HostPool | None = None
         self._stopping = False
-        self._exit = False
-        self.iterations = 0
+        self.failure: str | None = None  # why the engine stopped serving (a rank died)
+        self._started = False
 
     # ---- Engine protocol ---------------------------------------------------------------------
     @property
@@ -74,91 +87,109 @@ class DeepInferEngine:
         return self._info
 
     def start(self) -> None:
-        with self._owner_lock:
-            if self._threads:
+        """Spawn the ranks and wait until every one has built its engine (or one failed)."""
+        with self._lock:
+            if self._started:
                 return
-            for worker in self.ranks:
-                t = threading.Thread(target=self._run, args=(worker,), name=f"ikcode-deepinfer-{worker.rank}",
-                                     daemon=True)  # fmt: skip
-                self._threads.append(t)
-                t.start()
+            self._started = True
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(self.config.data_parallel_size):
+            parent, child = ctx.Pipe()
+            spec = RankSpec(rank, self.config, self._eos)
+            process = ctx.Process(
+                target=rank_main, args=(spec, child), name=f"ikcode-deepinfer-rank{rank}", daemon=True
+            )
+            process.start()
+            child.close()
+            r = _Rank(rank, process, parent)
+            r.reader = threading.Thread(
+                target=self._read, args=(r,), name=f"ikcode-deepinfer-read{rank}", daemon=True
+            )
+            self.ranks.append(r)
+            r.reader.start()
+        deadline = time.monotonic() + self.config.rank_start_timeout_s
+        for r in self.ranks:
+            while not r.ready.wait(0.1):
+                if self.failure or time.monotonic() > deadline:
+                    reason = (
+                        self.failure
+                        or f"rank {r.rank} did not start in {self.config.rank_start_timeout_s:.0f} s"
+                    )
+                    self._stop_processes()
+                    raise EngineError(f"deepinfer failed to start: {reason}")
+        pages = self.config.host_tier_blocks_per_rank
+        if pages:
+            page_bytes = int(self.ranks[0].info["page_bytes"])
+            self.host_pool = HostPool(pages * len(self.ranks), page_bytes)
+            for r in self.ranks:
+                r.send(("host_pool", self.host_pool.name, r.rank * pages, pages, page_bytes))
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         self._stopping = True
+        if not self._started:
+            return
         deadline = time.monotonic() + drain_timeout_s
-        while time.monotonic() < deadline and any(w.num_active() for w in self.ranks) and self._alive():
+        while time.monotonic() < deadline and self._streams and not self.failure:
             time.sleep(0.01)
-        for worker in self.ranks:
-            worker.shutdown_requests()
-        self._exit = True
-        self._wake.set()
-        for t in self._threads:
-            t.join(timeout=60)
+        for r in self.ranks:
+            try:
+                r.send(("stop",))
+            except OSError:
+                pass
+        for r in self.ranks:
+            r.process.join(timeout=max(5.0, deadline - time.monotonic() + 5.0))
+        self._stop_processes()
+        self._fail_streams(EngineShutdown())
+        if self.host_pool is not None:
+            self.host_pool.close()
 
     def submit(self, request: EngineRequest) -> RequestStream:
         if self._stopping:
             raise EngineShutdown()
-        prompt = request.prompt_token_ids
+        if self.failure:
+            raise EngineError(f"the deepinfer engine stopped: {self.failure}")
         check_request(request, self.config.max_model_len - 1, self._info.vocab_size)
-        hashes = hash_blocks(prompt, KVSTORE_GRAIN, request.cache_salt)
-        keep = self.config.yoco_keep_tokens
-
-        def cached(rank: int) -> int:
-            w = self.ranks[rank]
-            with w.lock:
-                return w.cache.resumable_blocks(hashes, len(prompt), keep)
-
-        stream = RequestStream(request.request_id, on_abort=self.abort)
-        r = RankRequest(request, stream, hashes)
-        r.stats.prompt_tokens = len(prompt)
-        r.stats.queued_at = time.monotonic()
-        with self._owner_lock:
-            if request.request_id in self._owner:
-                raise EngineError(f"request id {request.request_id!r} is already in use")
-            rank = self.router.route(request.session_id, cached, lambda i: self.ranks[i].num_active())
-            worker = self.ranks[rank]
-            self._owner[request.request_id] = worker
-        worker.hand_in(r)
         self.start()
-        self._wake.set()
+        prompt = request.prompt_token_ids
+        hashes = hash_blocks(prompt, KVSTORE_GRAIN, request.cache_salt)
+        cached = [self._call(r, "resumable", hashes, len(prompt)) for r in self.ranks]
+        stream = RequestStream(request.request_id, on_abort=self.abort)
+        with self._lock:
+            if request.request_id in self._streams:
+                raise EngineError(f"request id {request.request_id!r} is already in use")
+            index = self.router.route(request.session_id, lambda i: cached[i], lambda i: self._active(i))
+            rank = self.ranks[index]
+            self._streams[request.request_id] = (stream, rank)
+            rank.requests.add(request.request_id)
+        rank.send(("submit", request, hashes))
         return stream
 
     def abort(self, request_id: str) -> None:
-        with self._owner_lock:
-            worker = self._owner.get(request_id)
-        if worker is not None:
-            worker.request_abort(request_id)
-            self._wake.set()
+        with self._lock:
+            entry = self._streams.get(request_id)
+        if entry is not None:
+            try:
+                entry[1].send(("abort", request_id))
+            except OSError:
+                pass
 
     def lookup(self, prompt_token_ids: list[int], cache_salt: str = "") -> CacheLookup:
-        """What the best rank holds for this prompt, as it would be resumed (128-aligned, backed
-        off by KEEP tokens, at a boundary with a state snapshot)."""
-        hashes = hash_blocks(prompt_token_ids, KVSTORE_GRAIN, cache_salt)
+        """What the best rank holds for this prompt, as it would be resumed."""
         best = CacheLookup(prompt_tokens=len(prompt_token_ids))
-        for w in self.ranks:
-            with w.lock:
-                n = w.cache.resumable_blocks(hashes, len(prompt_token_ids), self.config.yoco_keep_tokens)
-                m = w.cache.cache.match(hashes[:n])
-            bs = KVSTORE_GRAIN
-            found = CacheLookup(len(prompt_token_ids), m.device_blocks * bs, m.host_blocks * bs)
+        if not self.ranks or self.failure:
+            return best
+        hashes = hash_blocks(prompt_token_ids, KVSTORE_GRAIN, cache_salt)
+        for r in self.ranks:
+            found = self._call(r, "lookup", hashes, len(prompt_token_ids))
             if found.cached_tokens > best.cached_tokens:
                 best = found
         return best
 
     def load(self) -> EngineLoad:
         total = EngineLoad()
-        for w in self.ranks:
-            with w.lock:
-                live = list(w.live.values())
-                free = w.scheduler.get_num_free_blocks()
-                total.running += sum(1 for r in live if r.admitted and not r.closed)
-                total.waiting += sum(1 for r in live if not r.admitted)
-                total.kv_blocks_total += w.total_blocks
-                evictable = len(w.cache.cache.policy)  # pinned by the cache alone: can be unpinned
-                total.kv_blocks_used += w.total_blocks - free - evictable
-                total.kv_blocks_cached += w.cache.num_pinned
-                total.host_blocks_total += w.cache.cache.num_host_blocks
-                total.host_blocks_used += len(w.cache.cache.host)
+        for r in self.ranks:
+            for field in vars(total):
+                setattr(total, field, getattr(total, field) + getattr(r.load, field))
         return total
 
     def add_listener(self, listener: LifecycleListener) -> None:
@@ -167,70 +198,105 @@ class DeepInferEngine:
     # ---- truth for /metrics, doctor and tests ---------------------------------------------------
     def cache_stats(self) -> dict[str, float]:
         merged: dict[str, float] = {}
-        for w in self.ranks:
-            with w.lock:
-                for key, value in w.cache.cache.snapshot().items():
-                    merged[key] = merged.get(key, 0) + value
+        for r in self.ranks:
+            if self.failure:
+                break
+            for key, value in self._call(r, "cache_stats").items():
+                merged[key] = merged.get(key, 0) + value
         return merged
 
+    def check(self) -> list[dict[str, Any]]:
+        """Each rank's invariants (raises if broken) and its block / state-slot counts."""
+        return [self._call(r, "check") for r in self.ranks]
+
     def idle(self) -> bool:
-        return not any(w.num_active() for w in self.ranks)
+        return not self._streams
 
-    def check_invariants(self) -> None:
-        """Every rank: cache invariants, pinned == indexed, and, when idle, exactly the pinned
-        blocks in use and every state slot free (no leak)."""
-        for w in self.ranks:
-            with w.lock:
-                w.cache.check()
-                if not w.live:
-                    used = w.total_blocks - w.scheduler.get_num_free_blocks()
-                    pinned = w.cache.num_pinned
-                    assert used == pinned, f"rank {w.rank}: {used} blocks used, {pinned} pinned"
+    # ---- messages from the ranks ----------------------------------------------------------------
+    def _active(self, index: int) -> int:
+        return len(self.ranks[index].requests)
 
-    # ---- the lockstep loop ----------------------------------------------------------------------
-    def _alive(self) -> bool:
-        return any(t.is_alive() for t in self._threads)
+    def _call(self, r: _Rank, name: str, *args: Any) -> Any:
+        call_id = next(self._call_ids)
+        future: Future = Future()
+        self._calls[call_id] = future
+        try:
+            r.send(("call", call_id, name, args))
+            return future.result(timeout=RPC_TIMEOUT_S)
+        except OSError as err:
+            raise EngineError(f"deepinfer rank {r.rank} is gone: {err}") from None
+        finally:
+            self._calls.pop(call_id, None)
 
-    def _decide(self) -> None:
-        idle = not any(self._busy)
-        self._decision = (self._exit and idle, idle)
-        self.iterations += 1
-
-    def _run(self, worker: RankWorker) -> None:
+    def _read(self, r: _Rank) -> None:
         while True:
             try:
-                self._busy[worker.rank] = worker.prepare()
-            except Exception:
-                log.exception("rank %d: prepare failed", worker.rank)
-                self._busy[worker.rank] = True
-            try:
-                self._barrier.wait()
-            except threading.BrokenBarrierError:  # another rank's engine failed: so does this one
-                worker.fail_everything(EngineError("the engine stopped: another rank failed"))
-                return
-            stop, idle = self._decision
-            if stop:
-                return
-            if idle:
-                self._wake.wait(self.config.idle_wait_s)
-                self._wake.clear()
-                continue
-            try:
-                worker.drive(worker.engine.has_unfinished_requests())
-            except Exception:
-                log.exception("rank %d stopped: the engine failed", worker.rank)
-                self._barrier.abort()
-                return
+                message = r.conn.recv()
+            except (EOFError, OSError):
+                break
+            kind = message[0]
+            if kind == "event":
+                self._on_event(message[1])
+            elif kind == "life":
+                self._on_life(message[1], message[2], message[3])
+            elif kind == "reply":
+                future = self._calls.get(message[1])
+                if future is not None:
+                    ok, value = message[2], message[3]
+                    future.set_result(value) if ok else future.set_exception(EngineError(value))
+            elif kind == "load":
+                r.load = message[2]
+            elif kind == "ready":
+                r.info = message[1]
+                r.ready.set()
+            elif kind == "fatal":
+                log.error("%s\n%s", message[1], message[2])
+                self._rank_died(r, message[1])
+        if not self._stopping or self._streams:
+            r.process.join(timeout=5)
+            self._rank_died(r, f"rank {r.rank} exited (exit code {r.process.exitcode})")
 
-    def _emit(self, kind: LifecycleKind, r: RankRequest) -> None:
-        if r.internal:
-            return
-        if kind is LifecycleKind.RELEASED:
-            with self._owner_lock:
-                self._owner.pop(r.request_id, None)
-        event = LifecycleEvent(kind, r.request_id, time.monotonic(), dataclasses.replace(r.stats))
+    def _on_event(self, event: TokenEvent) -> None:
+        with self._lock:
+            entry = self._streams.get(event.request_id)
+            if entry is not None and event.finished:
+                del self._streams[event.request_id]
+                entry[1].requests.discard(event.request_id)
+        if entry is not None:
+            entry[0].put(event)
+
+    def _on_life(self, kind: LifecycleKind, request_id: str, stats: Any) -> None:
+        event = LifecycleEvent(kind, request_id, time.monotonic(), stats)
         for listener in self._listeners:
             try:
                 listener(event)
             except Exception:
                 log.exception("lifecycle listener failed")
+
+    def _rank_died(self, r: _Rank, reason: str) -> None:
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = reason
+        log.error("deepinfer: %s; stopping the other ranks", reason)
+        for future in list(self._calls.values()):
+            if not future.done():
+                future.set_exception(EngineError(f"the deepinfer engine stopped: {reason}"))
+        self._fail_streams(EngineError(f"the deepinfer engine stopped: {reason}"))
+        threading.Thread(target=self._stop_processes, daemon=True).start()
+
+    def _fail_streams(self, error: EngineError) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+        for stream, rank in streams:
+            rank.requests.discard(stream.request_id)
+            stream.put(TokenEvent(stream.request_id, [], True, FinishReason.ERROR, None, error))
+
+    def _stop_processes(self) -> None:
+        for r in self.ranks:
+            if r.process.is_alive():
+                r.process.terminate()
+        for r in self.ranks:
+            r.process.join(timeout=10)
+            if r.process.is_alive():
+                r.process.kill()

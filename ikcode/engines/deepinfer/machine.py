@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -86,18 +85,20 @@ def check_machine(
         raise MachineCheckError(f"the deepinfer package is not installed: {INSTALL_HINT}")
 
 
-def load_backend(environment: dict[str, str]) -> SimpleNamespace:
-    """Import deepinfer (lazily: only here) with its environment set first. The backend is the
-    three names the adapter uses; the test stand-in provides the same three."""
-    os.environ.update(environment)
+def load_backend() -> SimpleNamespace:
+    """Import deepinfer (lazily: only in a rank process, with its environment already set). The
+    backend is the names the adapter uses; `SamplingParams` is not exported by the package
+    (sampling_params.py:47) and `RequestOutput` reads the output pointers (pybind_output.cpp:12-34)."""
     try:
         llm_engine = importlib.import_module("deepinfer.engine.llm_engine")
         arg_utils = importlib.import_module("deepinfer.engine.arg_utils")
-        sampling = importlib.import_module("deepinfer")
+        sampling = importlib.import_module("deepinfer.sampling_params")
+        engine_core = importlib.import_module("deepinfer._C.engine")
     except ImportError as err:
         raise MachineCheckError(f"deepinfer failed to import ({err}): {INSTALL_HINT}") from None
     return SimpleNamespace(
         LLMEngine=llm_engine.LLMEngine,
         EngineArgs=arg_utils.EngineArgs,
         SamplingParams=sampling.SamplingParams,
+        RequestOutput=engine_core.RequestOutput,
     )

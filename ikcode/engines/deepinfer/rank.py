@@ -48,6 +48,7 @@ _QUERY_STATS = (
     "hit_blocks_device", "hit_blocks_host",
 )  # fmt: skip
 _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+PREEMPTED = "insufficient_system_resource"  # FINISHED_PREEMPTED's reason (sequence.hpp:55-56)
 NO_BINDING = (
     "this deepinfer build does not expose Sequence.block_table: apply ikcode's patch "
     "(ikcode/engines/deepinfer/patches/README.md) and rebuild"
@@ -56,7 +57,13 @@ NO_BINDING = (
 
 class RankWorker:
     def __init__(
-        self, rank: int, backend: Any, config: DeepInferConfig, eos_ids: tuple[int, ...], emit: Emit
+        self,
+        rank: int,
+        backend: Any,
+        config: DeepInferConfig,
+        eos_ids: tuple[int, ...],
+        emit: Emit,
+        host_pages: Any = None,
     ):
         self.rank = rank
         self.backend = backend
@@ -66,16 +73,23 @@ class RankWorker:
         args = backend.EngineArgs(
             model=config.model, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
             gpu_memory_utilization=config.gpu_memory_utilization, chunked_prefill=config.chunked_prefill,
-            data_parallel_size=config.data_parallel_size, engine_rank=rank, **config.engine_args,
+            max_num_batched_tokens=config.max_num_batched_tokens if config.chunked_prefill else None,
+            data_parallel_size=config.data_parallel_size, engine_rank=rank, disable_log_stats=True,
+            **config.engine_args,
         )  # fmt: skip
         self.engine = make_caching_engine(backend.LLMEngine, args)
         self.engine.ikcode_rank = self
         self.scheduler = self.engine.scheduler
-        self.total_blocks = self.scheduler.get_num_free_blocks()  # nothing allocated yet
+        self.blocks = self.engine.block_manager  # llm_engine.py:265
+        self.total_blocks = self.blocks.get_num_free_blocks()  # nothing allocated yet
         slots = int(self.total_blocks * config.gpu_tier_fraction)
         self.cache = RankCache(
-            self.engine, slots, config.host_tier_blocks_per_rank, KVSTORE_GRAIN, config.write_through
-        )
+            self.engine, slots, config.host_tier_blocks_per_rank, KVSTORE_GRAIN, config.write_through,
+            host_pages=host_pages, extra_state_tokens=config.extra_state_tokens,
+        )  # fmt: skip
+        self.commit_failures = 0  # finalize_seq commits that raised (surfaced by cache_stats and doctor)
+        self.preempted = 0  # sequences DeepInfer stopped for lack of KV memory (scheduler.hpp:766-790)
+        self.stall_guard_hits = 0  # allocations handed back to keep free blocks above the reserve
         # Free blocks that keep block usage under the prefill watermark (scheduler.hpp:80, 313).
         self.reserve_blocks = int(np.ceil((1.0 - config.prefill_watermark) * self.total_blocks)) + 1
         self.lock = threading.Lock()  # inbox, aborts, live, and cache reads from other threads
@@ -138,11 +152,19 @@ class RankWorker:
             blocks = -(-len(r.request.prompt_token_ids) // KVSTORE_GRAIN)
             with self.lock:
                 self.cache.evict_for(blocks + self.reserve_blocks)
-            if not self.scheduler.try_allocate_seq(r.seq):
+            allocated = self.scheduler.try_allocate_seq(r.seq)
+            if allocated and self.blocks.get_num_free_blocks() < self.reserve_blocks:
+                # Prefill-stall guard: past the watermark DeepInfer admits no prefill
+                # (scheduler.hpp:80, 313) and has no eviction of its own; admitting this one now
+                # could leave every sequence waiting. Give the blocks back and retry later.
+                self.scheduler.free_seq(r.seq)
+                allocated = False
+                self.stall_guard_hits += 1
+            if not allocated:
                 if any(x.admitted for x in self.live.values()):
                     return  # back-pressure: memory comes back as running requests finish
                 self.pending.remove(r)
-                free = self.scheduler.get_num_free_blocks()
+                free = self.blocks.get_num_free_blocks()
                 self._fail(r, EngineOverloaded(f"rank {self.rank}: needs {blocks} KV blocks, {free} free"))
                 continue
             self.pending.remove(r)
@@ -225,9 +247,18 @@ class RankWorker:
     def drive(self, any_unfinished: bool) -> None:
         """One lockstep iteration (entrypoints/llm.py:176-186); outputs copied at once, since the
         next step() releases them (pybind_output.cpp:12-35)."""
+        out = self.backend.RequestOutput  # static getters over output pointers (pybind_output.cpp:12-34)
         try:
             outs = self.engine.step() if any_unfinished else self.engine.flush_inflight_reqs()
-            copied = [(o.request_id, o.token_id, o.finish_reason, bool(o.finished)) for o in outs]
+            copied = [
+                (
+                    out.get_request_id(p),
+                    out.get_token_id(p),
+                    out.get_finish_reason(p),
+                    bool(out.get_finished(p)),
+                )
+                for p in (int(x) for x in outs)
+            ]
         except Exception as exc:
             log.exception("rank %d: engine step failed", self.rank)
             self.fail_everything(exc)
@@ -248,14 +279,20 @@ class RankWorker:
             if boundary <= max(r.snapshots, default=0):
                 continue
             try:
-                select = self.engine.cache_engine.select_state_slice_to_store
-                r.snapshots[boundary] = select(r.seq.state_id, boundary)
-            except (ValueError, AssertionError):
+                snapshot = self.cache.select_state(r.seq, boundary)
+            except Exception:  # a resume point fewer, not a reason to stop the rank
+                log.exception("rank %d: reading the window of %s failed", self.rank, r.request_id)
                 continue
+            if snapshot is None:
+                continue
+            r.snapshots[boundary] = snapshot
             while len(r.snapshots) > SNAPSHOTS_PER_REQUEST:
                 del r.snapshots[min(r.snapshots)]
 
     def _on_output(self, r: RankRequest, token: int, reason: str | None, finished: bool) -> None:
+        if reason == PREEMPTED and r.admitted:
+            self._on_preempted(r)
+            return
         if r.rejected:  # the echoed prompt token is not an answer
             n = len(r.request.prompt_token_ids)
             err: EngineError = (
@@ -300,8 +337,20 @@ class RankWorker:
         if self.config.commit_point == "final_token" and r.admitted:
             with self.lock:
                 self.cache.drop(r.request_id)  # finalised now: nothing is left to commit at release
-        if r.admitted and not r.engine_finished:
+        if r.admitted and not r.engine_finished and not r.failed:
             self.engine.abort_request(r.request_id)  # stop id or max_tokens: the engine stops too
+
+    def _on_preempted(self, r: RankRequest) -> None:
+        """DeepInfer stopped the sequence for lack of KV memory: it freed blocks and state itself,
+        without finalize_seq, and echoed the last token (scheduler.hpp:766-790, outputs.hpp:297-304).
+        The echo is not streamed, nothing is committed (the KV is gone), the request is released."""
+        self.preempted += 1
+        r.failed = True
+        if not r.closed:
+            self._close(r, FinishReason.ERROR, [], EngineOverloaded(f"rank {self.rank}: out of KV memory"))
+        with self.lock:
+            self.cache.drop(r.request_id)
+        self._release(r)
 
     # ---- release: finalize_seq ------------------------------------------------------------------
     def on_finalize(self, seq: Any) -> None:
@@ -312,15 +361,21 @@ class RankWorker:
             return
         if not r.closed:  # an aborted RUNNING sequence emits no final output
             self._close(r, FinishReason.ABORT, [])
-        with self.lock:
-            if r.failed:
-                self.cache.drop(r.request_id)
-            elif r.request_id in self.cache.cache._seqs:  # noqa: SLF001 - dropped by the final-token variant
-                valid = min(int(seq.num_cached_tokens), len(r.engine_tokens))
-                full = valid // KVSTORE_GRAIN * KVSTORE_GRAIN
-                keys = hash_blocks(r.engine_tokens[:full], KVSTORE_GRAIN, r.request.cache_salt)
-                self.cache.commit(seq, r.request_id, keys, r.snapshots)
-        self._release(r)
+        try:
+            with self.lock:
+                if r.failed:
+                    self.cache.drop(r.request_id)
+                elif r.request_id in self.cache.cache._seqs:  # noqa: SLF001 - dropped by the final-token variant
+                    valid = min(int(seq.num_cached_tokens), len(r.engine_tokens))
+                    full = valid // KVSTORE_GRAIN * KVSTORE_GRAIN
+                    keys = hash_blocks(r.engine_tokens[:full], KVSTORE_GRAIN, r.request.cache_salt)
+                    self.cache.commit(seq, r.request_id, keys, r.snapshots)
+        except BaseException:
+            with self.lock:
+                self.cache.drop(r.request_id)  # nothing half-committed stays behind
+            raise
+        finally:
+            self._release(r)
 
     def _release(self, r: RankRequest) -> None:
         if r.stats.released_at is not None:

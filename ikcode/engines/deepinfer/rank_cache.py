@@ -18,53 +18,56 @@ from ikcode.cache import BlockHash, OutOfBlocks, PrefixCache
 
 
 class PageMover:
-    """Copies 128-token KV pages between engine blocks and host pages, layer by layer. Works on
-    the worker's per-layer cache tensors (torch on the GPU, numpy in the stand-in)."""
+    """Copies 128-token KV pages. DeepInfer keeps every layer of a block in one row of
+    `gpu_blocks[num_blocks, bytes]` (worker/cache_engine.py:937-960), so a page is a row; the host
+    tier is a [pages, bytes] tensor in host RAM (a slice of the node's shared pool, page-locked
+    when the cache is on a GPU)."""
 
-    def __init__(self, gpu_cache: list[Any], num_host_pages: int):
-        self.gpu_cache = gpu_cache
-        self.host = [_empty_like_pages(layer, num_host_pages) for layer in gpu_cache if num_host_pages]
+    def __init__(self, gpu_blocks: Any, host_pages: Any = None):
+        self.gpu_blocks = gpu_blocks
+        self.host = host_pages
 
     def device_to_device(self, src: int, dst: int) -> None:
-        for layer in self.gpu_cache:
-            layer[dst] = layer[src]
+        self.gpu_blocks[dst].copy_(self.gpu_blocks[src], non_blocking=True)
 
     def device_to_host(self, block: int, page: int) -> None:
-        for layer, host in zip(self.gpu_cache, self.host, strict=True):
-            host[page] = _to_host(layer[block])
+        self.host[page].copy_(self.gpu_blocks[block])
 
     def host_to_device(self, page: int, block: int) -> None:
-        for layer, host in zip(self.gpu_cache, self.host, strict=True):
-            layer[block] = _to_device(host[page], layer)
+        self.gpu_blocks[block].copy_(self.host[page], non_blocking=True)
 
 
-def _empty_like_pages(layer: Any, n: int) -> Any:
-    shape = (n, *tuple(layer.shape[1:]))
-    if hasattr(layer, "new_empty"):  # torch: page-locked host memory for fast H2D/D2H
-        import torch
+def state_to_host(snapshot: Any) -> Any:
+    """A sliding-window snapshot kept outside the engine's memory budget: in page-locked host
+    memory when it was read from a GPU (select_state_slice_to_store allocates on the state
+    cache's device, cache_engine.py:793-795)."""
+    if snapshot is None or not getattr(snapshot, "is_cuda", False):
+        return snapshot
+    import torch
 
-        return torch.empty(shape, dtype=layer.dtype, pin_memory=layer.is_cuda)
-    import numpy as np
-
-    return np.empty(shape, dtype=layer.dtype)
-
-
-def _to_host(page: Any) -> Any:
-    return page.cpu() if hasattr(page, "cpu") else page
-
-
-def _to_device(page: Any, layer: Any) -> Any:
-    return page.to(layer.device, non_blocking=True) if hasattr(page, "to") else page
+    host = torch.empty(snapshot.shape, dtype=snapshot.dtype, pin_memory=True)
+    host.copy_(snapshot)
+    return host
 
 
 class RankCache:
     def __init__(
-        self, engine: Any, num_slots: int, num_host_pages: int, block_size: int, write_through: bool
+        self,
+        engine: Any,
+        num_slots: int,
+        num_host_pages: int,
+        block_size: int,
+        write_through: bool,
+        host_pages: Any = None,
+        extra_state_tokens: int = 128,
     ):
         self.engine = engine
         self.scheduler = engine.scheduler
-        self.cache_engine = engine.cache_engine
-        self.pages = PageMover(self.cache_engine.gpu_cache, num_host_pages)
+        self.blocks = engine.block_manager  # pin_blocks / unpin_blocks (pybind_scheduler.cpp:65-73)
+        self.cache_engine = engine.driver_worker.cache_engine  # llm_engine.py:797, worker/base.py:271
+        self.state_cache = self.cache_engine.gpu_states
+        self.interface = self.cache_engine.gpu_cache  # a GPUCacheInterface (cache_engine.py:540)
+        self.pages = PageMover(self.cache_engine.gpu_blocks, host_pages)  # host: set when the pool arrives
         self.cache = PrefixCache(
             max(1, num_slots), block_size, num_host_pages, store=self, write_through=write_through
         )
@@ -73,6 +76,9 @@ class RankCache:
         self.snapshots: OrderedDict[BlockHash, Any] = OrderedDict()  # key ending at P -> state at P
         self.max_snapshots = 4 * (num_slots + num_host_pages) + 64
         self._promote_into: list[int] = []  # engine blocks receiving this allocation's promotions
+        # DEEPINFER_PREFILL_STORE_EXTRA_SIZE: how far behind a sequence's last position its ring
+        # still holds a whole window (environ.py:164)
+        self.extra_state_tokens = extra_state_tokens
 
     # ---- KVStore (called by PrefixCache) --------------------------------------------------------
     def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
@@ -101,7 +107,7 @@ class RankCache:
         """Copy the cached prefix of n blocks into seq (already allocated by try_allocate_seq).
         Returns (device tokens, host tokens) served from the cache."""
         table = list(seq.block_table)  # the patched read-only binding
-        prompt_len = len(seq.token_ids)
+        prompt_len = int(seq.get_len())  # a Sequence has no token_ids in Python (pybind_sequence.cpp:106)
         self._promote_into = table[self.cache.match(hashes[:n]).device_blocks : n]
         try:
             alloc = self.cache.allocate(request_id, hashes[:n], n, session_id=session, num_tokens=prompt_len)
@@ -116,9 +122,8 @@ class RankCache:
             snapshot = self.snapshots[hashes[n - 1]]
             self.snapshots.move_to_end(hashes[n - 1])
             P = n * self.block_size
-            self.cache_engine.load_state_from_store_to_prefill_cache(
-                seq.state_id, P, snapshot, self.cache_engine.gpu_states
-            )
+            device = snapshot.to(self.state_cache.device) if hasattr(snapshot, "to") else snapshot
+            self.interface.load_state_from_store_to_prefill_cache(seq.state_id, P, device, self.state_cache)
             seq.num_cached_tokens = P
         bs = self.block_size
         return alloc.cached_blocks_device * bs, alloc.cached_blocks_host * bs
@@ -147,10 +152,9 @@ class RankCache:
         found = dict(snapshots or {})
         if hashes:
             end = len(hashes) * self.block_size
-            try:
-                found[end] = self.cache_engine.select_state_slice_to_store(seq.state_id, end)
-            except (ValueError, AssertionError):  # not kept: an earlier snapshot will have to do
-                pass
+            snapshot = self.select_state(seq, end)
+            if snapshot is not None:
+                found[end] = snapshot
         for position in sorted(found):
             n = position // self.block_size
             if 0 < n <= len(hashes) and hashes[n - 1] in self.cache.pool.index:
@@ -159,6 +163,18 @@ class RankCache:
         while len(self.snapshots) > self.max_snapshots:
             self.snapshots.popitem(last=False)
         return len(appended)
+
+    def select_state(self, seq: Any, position: int) -> Any:
+        """The window ending at position, in host memory; None when the ring no longer holds it.
+        DeepInfer does not check that (cache_engine.py:762-818, state_cache.py:12-34): the ring
+        keeps the last window + extra_state_tokens positions, and up to one more is in flight
+        under zero-overhead scheduling."""
+        held = int(seq.num_cached_tokens)
+        if position % self.block_size or not held - self.extra_state_tokens + 1 <= position <= held:
+            return None
+        return state_to_host(
+            self.interface.select_state_slice_to_store(seq.state_id, position, self.state_cache)
+        )
 
     def drop(self, request_id: str) -> None:
         """Forget the request's entry without committing anything (errors, the final-token bug)."""
@@ -171,7 +187,7 @@ class RankCache:
         blocks or nothing more can go. Evicted keys are demoted to the host tier when there is one."""
         evicted = 0
         pool, policy = self.cache.pool, self.cache.policy
-        while self.scheduler.get_num_free_blocks() < free_blocks_needed and len(policy):
+        while self.blocks.get_num_free_blocks() < free_blocks_needed and len(policy):
             now = time.monotonic()
             slot = policy.pop_victim(now)
             if slot is None:
@@ -200,13 +216,13 @@ class RankCache:
     # ---- bindings -------------------------------------------------------------------------------
     def _rebind(self, slot: int, block: int) -> None:
         self._unbind(slot)  # a reused slot: its old block (evicted, maybe demoted) is let go
-        self.scheduler.pin_blocks([block])
+        self.blocks.pin_blocks([block])
         self.bound[slot] = block
 
     def _unbind(self, slot: int) -> None:
         block = self.bound.pop(slot, None)
         if block is not None:
-            self.scheduler.unpin_blocks([block])
+            self.blocks.unpin_blocks([block])
 
     @property
     def num_pinned(self) -> int:

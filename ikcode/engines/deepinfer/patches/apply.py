@@ -1,27 +1,33 @@
 """Add a read-only `Sequence.block_table` binding to an unpacked deepinfer==0.1.0 source tree.
 
-Python cannot read a sequence's block table (csrc/engine/pybind_sequence.cpp:109-137), and the
-adapter copies cached pages into it. This inserts one line next to the existing
-`num_cached_tokens` binding of the same class:
+Python cannot read a sequence's block table: the field is `seq.cache.block_table`
+(csrc/engine/sequence.hpp:206) and csrc/engine/pybind_sequence.cpp:109-137 binds every other
+`Sequence` field but not that one. This inserts one line after the `branch_id` binding (:137),
+with the file's own helper for read-only fields (:19-22):
 
-    .def_property_readonly("block_table", [](const Sequence &s) { return s.block_table; })
+    bind_sequence_readonly(sequence, "block_table",
+        [](const Sequence &seq) -> const auto & { return seq.cache.block_table; });  (one line)
 
-Idempotent; prints what it did. Usage (see README.md in this folder):
+The already-patched check looks for that exact line, so nothing else in the file (for instance
+`py::arg("block_table")` of SequenceMetadata, :150) can pass for it. The CPU build of the engine
+core (tests/deepinfer_build/) applies this patch and compiles it, so a wrong patch fails there.
+
+Usage (see README.md in this folder):
     python -m ikcode.engines.deepinfer.patches.apply path/to/deepinfer-0.1.0
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
 BINDING_FILE = "csrc/engine/pybind_sequence.cpp"
-MARKER = '"block_table"'
-# e.g.  .def_readwrite("num_cached_tokens", &Sequence::num_cached_tokens)
-_ANCHOR = re.compile(
-    r'^(?P<indent>\s*)\.def_readwrite\(\s*"num_cached_tokens"\s*,\s*&(?P<cls>[\w:]+)::num_cached_tokens'
+BINDING = (
+    'bind_sequence_readonly(sequence, "block_table", '
+    "[](const Sequence &seq) -> const auto & { return seq.cache.block_table; });"
 )
+MARKER = BINDING + "  // ikcode: read-only block table"
+ANCHOR = 'bind_sequence_property(sequence, "branch_id",'
 
 
 class PatchError(Exception):
@@ -29,21 +35,17 @@ class PatchError(Exception):
 
 
 def patch_text(text: str) -> tuple[str, bool]:
-    """(new text, changed). Raises PatchError when the anchor line is not found."""
-    if MARKER in text:
-        return text, False
+    """(new text, changed). Raises PatchError when the anchor line is missing or not unique."""
     lines = text.splitlines(keepends=True)
-    for i, line in enumerate(lines):
-        m = _ANCHOR.match(line)
-        if m:
-            cls = m.group("cls")
-            new = (
-                f'{m.group("indent")}.def_property_readonly("block_table", '
-                f"[](const {cls} &s) {{ return s.block_table; }})  // ikcode: read-only block table\n"
-            )
-            lines.insert(i + 1, new)
-            return "".join(lines), True
-    raise PatchError(f'no .def_readwrite("num_cached_tokens", ...) line found in {BINDING_FILE}')
+    if any(line.strip() == MARKER for line in lines):
+        return text, False
+    hits = [i for i, line in enumerate(lines) if line.lstrip().startswith(ANCHOR)]
+    if len(hits) != 1:
+        raise PatchError(f"expected one line starting with {ANCHOR!r} in {BINDING_FILE}, found {len(hits)}")
+    i = hits[0]
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    lines.insert(i + 1, indent + MARKER + "\n")
+    return "".join(lines), True
 
 
 def apply(source_dir: Path) -> bool:

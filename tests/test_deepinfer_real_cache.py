@@ -1,0 +1,62 @@
+"""The prefix cache on DeepInfer's real engine core: the host tier (the node's shared pool)
+serves what the GPU tier evicted, with the restored pages and window giving the same answer as a
+cold run; eviction keeps DeepInfer's prefill admission open."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.deepinfer_build.harness import (
+    assert_no_leaks,
+    finished_normally,
+    random_tokens,
+    real_engine,
+    run,
+    wait_quiet,
+)
+
+pytestmark = pytest.mark.deepinfer
+
+
+def test_host_tier_serves_what_the_gpu_tier_evicted(tmp_path):
+    # 40 GPU-tier slots: the second conversation pushes the first one's blocks out to the host pool.
+    engine = real_engine(tmp_path, blocks=96, gpu_tier_fraction=0.42, host_tier_blocks_per_rank=256)
+    try:
+        assert engine.host_pool is not None
+        a, b = random_tokens(3000, 1), random_tokens(3000, 2)
+        reply_a, _ = run(engine, "a1", a, session="A")
+        wait_quiet(engine)
+        run(engine, "b1", b, session="B")
+        wait_quiet(engine)
+        assert engine.cache_stats()["prefix_cache_demoted_blocks_total"] > 0
+        again = a + reply_a + random_tokens(300, 9)
+        reply, final = run(engine, "a2", again, session="A")
+        assert finished_normally(final)
+        assert final.stats.cached_tokens_host > 0, final.stats
+        cached = final.stats.cached_tokens_device + final.stats.cached_tokens_host
+        assert cached >= 0.95 * (len(a) + len(reply_a)), final.stats
+        assert_no_leaks(wait_quiet(engine))
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+    cold = real_engine(tmp_path / "cold", blocks=96)
+    try:
+        assert run(cold, "c", again)[0] == reply  # pages and window restored exactly
+    finally:
+        cold.shutdown(drain_timeout_s=5)
+
+
+def test_eviction_keeps_prefill_admission_above_the_watermark(tmp_path):
+    """Pinned cache blocks would push block usage past 90%, where DeepInfer admits no prefill
+    (scheduler.hpp:80, 313): the adapter unpins before the step, so new work keeps running."""
+    engine = real_engine(tmp_path, blocks=64, gpu_tier_fraction=0.85, prime_min_tokens=0)
+    try:
+        for i in range(7):  # 7 x 10 blocks to pin, 53 GPU-tier slots, 63 usable blocks
+            _, final = run(engine, f"r{i}", random_tokens(1300, 40 + i), session=f"S{i}")
+            assert finished_normally(final), final
+            wait_quiet(engine)
+        assert engine.cache_stats()["prefix_cache_evicted_blocks_total"] > 0
+        (check,) = wait_quiet(engine)
+        assert check["blocks_free"] >= 0.1 * check["blocks_total"], check
+        assert_no_leaks([check])
+    finally:
+        engine.shutdown(drain_timeout_s=5)

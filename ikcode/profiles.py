@@ -57,6 +57,12 @@ class ModelSection(_Section):
     batch_invariance: Literal["all", "greedy", "off"] = "greedy"
     # Used when a request names no temperature (Claude Code's main loop never does).
     default_temperature: float = Field(1.0, ge=0.0, le=2.0)
+    # Repetition penalties with Ollama's names and llama.cpp's arithmetic (see
+    # ikcode/engines/embedded/sampler.py). The defaults leave them off.
+    repeat_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    repeat_last_n: int = Field(64, ge=0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     # How tool calls are written and read (gateway/tool_formats); "" = chosen from the chat template.
     tool_format: Literal["", "hermes", "qwen3_coder", "llama3_json", "mistral", "deepseek_v3", "harmony"] = ""
 
@@ -64,6 +70,15 @@ class ModelSection(_Section):
 class ClaudeSection(_Section):
     default_args: list[str] = Field(default_factory=list)
     api_timeout_ms: int = Field(600_000, ge=1000)
+
+
+class CompactionSection(_Section):
+    # `ikcode claude` makes Claude Code compact once its conversation reaches this share of the
+    # served window (ikcode/launcher/compaction.py).
+    compact_at_fraction: float = Field(0.75, gt=0.0, le=1.0)
+    # The gateway caps a compaction (summary) request's output at this many tokens, so that a
+    # small model cannot spend minutes on a summary. 0 = no cap beyond max_output_tokens.
+    summary_max_tokens: int = Field(0, ge=0)
 
 
 class Profile(BaseModel):
@@ -80,6 +95,7 @@ class Profile(BaseModel):
     auth: Auth = Field(default_factory=Auth)
     model: ModelSection = Field(default_factory=ModelSection)
     claude: ClaudeSection = Field(default_factory=ClaudeSection)
+    compaction: CompactionSection = Field(default_factory=CompactionSection)
     cache: dict[str, Any] = Field(default_factory=dict)
     admission: dict[str, Any] = Field(default_factory=dict)
     hardware: dict[str, Any] = Field(default_factory=dict)

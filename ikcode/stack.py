@@ -132,6 +132,11 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
         bind_loopback=is_loopback(host),
         request_log_path=daemon.request_log_file(),
         default_temperature=profile.model.default_temperature,
+        repeat_penalty=profile.model.repeat_penalty,
+        repeat_last_n=profile.model.repeat_last_n,
+        frequency_penalty=profile.model.frequency_penalty,
+        presence_penalty=profile.model.presence_penalty,
+        summary_max_tokens=profile.compaction.summary_max_tokens or None,
         tool_format=profile.model.tool_format,
     )
 

@@ -13,6 +13,13 @@ if ! command -v zsh >/dev/null || ! command -v fish >/dev/null; then
   fi
 fi
 
+# tmux, in which the tests start the client's interactive screen (skipped, saying why, without it).
+if ! command -v tmux >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq tmux) >/dev/null 2>&1 || echo "(tmux not installed)"
+  fi
+fi
+
 # DeepInfer's engine core (deepinfer._C), built from the deepinfer==0.1.0 sdist on the CPU for the
 # `-m deepinfer` tests: g++ and libfmt-dev (its logging uses <format>, which g++ 12 lacks). Cached
 # in ~/.cache/ikcode/deepinfer-cpu, so only the first run compiles (two files at a time); where it

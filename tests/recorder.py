@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
@@ -12,8 +13,9 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def canned_stream(model: str, text: str = "hi there") -> bytes:
-    return _stream(model, {"type": "text", "text": ""}, {"type": "text_delta", "text": text}, "end_turn")
+def canned_stream(model: str, text: str = "hi there", input_tokens: int = 10) -> bytes:
+    block, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": text}
+    return _stream(model, block, delta, "end_turn", input_tokens)
 
 
 def tool_use_stream(model: str, name: str, tool_input: dict, tool_id: str = "toolu_rec01") -> bytes:
@@ -26,9 +28,9 @@ def tool_use_stream(model: str, name: str, tool_input: dict, tool_id: str = "too
 _message_ids = itertools.count(1)
 
 
-def _stream(model: str, block: dict, delta: dict, stop_reason: str) -> bytes:
+def _stream(model: str, block: dict, delta: dict, stop_reason: str, input_tokens: int = 10) -> bytes:
     usage = {
-        "input_tokens": 10,
+        "input_tokens": input_tokens,
         "output_tokens": 0,
         "cache_read_input_tokens": 0,
         "cache_creation_input_tokens": 0,
@@ -70,12 +72,24 @@ class Recorder:
     """Records every request (method, path, headers, JSON body) and answers with canned data.
 
     `replies` scripts the streamed answers in order (each a function of the requested model);
-    once they run out, every answer is the canned text.
+    once they run out, every answer is the canned text. input_tokens: the prompt size the canned
+    answers report, fixed or computed from the request body (to see what the client does when it
+    believes its conversation has reached a given size). error: given a request body, a
+    (status, JSON) to answer with instead, or None.
     """
 
-    def __init__(self, replies: list | None = None) -> None:
+    def __init__(
+        self,
+        replies: list | None = None,
+        input_tokens: int | Callable[[dict], int] = 10,
+        text: str = "hi there",
+        error: Callable[[dict], tuple[int, dict] | None] | None = None,
+    ) -> None:
         self.requests: list[dict] = []
         self.replies = list(replies or [])
+        self.input_tokens = input_tokens
+        self.text = text
+        self.error = error
         recorder = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -114,9 +128,18 @@ class Recorder:
                 entry = self._record()
                 if self.path.split("?")[0].endswith("/v1/messages"):
                     model = (entry["body"] or {}).get("model", "?")
+                    failure = recorder.error(entry["body"] or {}) if recorder.error else None
+                    if failure is not None:
+                        self._json(*failure)
+                        return
+                    reported = recorder.input_tokens
+                    if callable(reported):
+                        reported = reported(entry["body"] or {})
                     if (entry["body"] or {}).get("stream"):
-                        script = recorder.replies.pop(0) if recorder.replies else canned_stream
-                        payload = script(model)
+                        if recorder.replies:
+                            payload = recorder.replies.pop(0)(model)
+                        else:
+                            payload = canned_stream(model, recorder.text, reported)
                         self.send_response(200)
                         self.send_header("Content-Type", "text/event-stream")
                         self.send_header("Content-Length", str(len(payload)))
@@ -130,10 +153,10 @@ class Recorder:
                             "type": "message",
                             "role": "assistant",
                             "model": model,
-                            "content": [{"type": "text", "text": "hi there"}],
+                            "content": [{"type": "text", "text": recorder.text}],
                             "stop_reason": "end_turn",
                             "stop_sequence": None,
-                            "usage": {"input_tokens": 10, "output_tokens": 3},
+                            "usage": {"input_tokens": reported, "output_tokens": 3},
                         },
                     )
                     return

@@ -109,10 +109,10 @@ def test_forward_failure_fails_only_that_step_and_frees_blocks(engine, monkeypat
 def test_sampling_failure_fails_only_that_request(engine, monkeypatch):
     real_sample = engine_module.sample
 
-    def picky(logits, params, generator):
+    def picky(logits, params, generator, token_ids=()):
         if params.seed == 666:
             raise ValueError("bad sampler state")
-        return real_sample(logits, params, generator)
+        return real_sample(logits, params, generator, token_ids)
 
     monkeypatch.setattr(engine_module, "sample", picky)
     bad = engine.submit(EngineRequest("bad", [5] * 30, SamplingParams(max_tokens=5, seed=666)))

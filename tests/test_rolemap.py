@@ -42,8 +42,19 @@ def test_cache_friendly_and_quiet_settings():
     assert mapping.set["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
     assert mapping.set["DISABLE_TELEMETRY"] == "1"
     assert mapping.set["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == "4096"
-    assert mapping.set["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] == "32768"
     assert "DISABLE_PROMPT_CACHING" not in mapping.set
+
+
+def test_compaction_before_the_served_window_without_client_warnings():
+    mapping = make(window=8192, out=1024)
+    # The client believes the served window and compacts at 3/4 of it (measured behaviour:
+    # bench/compaction_probe.py); values under 100K in AUTO_COMPACT_WINDOW make it warn.
+    assert mapping.set["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == "8192"
+    assert mapping.set["CLAUDE_CODE_BLOCKING_LIMIT_OVERRIDE"] == "6144"
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in mapping.set
+    child = mapping.apply({"CLAUDE_CODE_AUTO_COMPACT_WINDOW": "8192", "PATH": "/bin"})
+    assert "CLAUDE_CODE_AUTO_COMPACT_WINDOW" not in child
+    assert make(window=131072).set["CLAUDE_CODE_BLOCKING_LIMIT_OVERRIDE"] == "98304"
 
 
 def test_conflicts_removed_from_child_environment():

@@ -85,6 +85,14 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()  # on top of the model's EOS ids
     ignore_eos: bool = False
+    # Penalties on tokens already in the sequence's last `repeat_last_n` tokens (prompt tail
+    # included), as llama.cpp and Ollama define them: a repeated token's logit is divided by
+    # repeat_penalty (multiplied when negative), then count * frequency_penalty + presence_penalty
+    # is subtracted. 1.0 / 0.0 / 0.0 = off. They read token ids only, never the cache.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def validate(self) -> None:
         if self.max_tokens <= 0:
@@ -95,6 +103,16 @@ class SamplingParams:
             raise InvalidSampling(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidSampling(f"top_k must be >= 0, got {self.top_k}")
+        if not (self.repeat_penalty > 0.0):
+            raise InvalidSampling(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < 0:
+            raise InvalidSampling(f"repeat_last_n must be >= 0, got {self.repeat_last_n}")
+
+    @property
+    def penalized(self) -> bool:
+        return self.repeat_last_n > 0 and (
+            self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        )
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,10 @@ class Generation:
             return "stop_sequence"
         if self.builder.called_tool:
             return "tool_use"
+        if self.finish_reason == FinishReason.LENGTH and "summary_max_tokens" in self.record:
+            # A compaction summary cut at the server's cap is final: "max_tokens" would make
+            # Claude Code ask it to go on, re-reading the conversation for each continuation.
+            return "end_turn"
         return "max_tokens" if self.finish_reason == FinishReason.LENGTH else "end_turn"
 
     def _message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
@@ -223,6 +227,8 @@ class Generation:
         gw.metrics.observe_generation(
             self.stats, ttft, len(self.builder.generated_ids), self.record.get("user")
         )
+        if self.record.get("compaction"):
+            gw.metrics.observe_compaction(self.stats, ttft, len(self.builder.generated_ids))
         self._write_record(ttft)
 
     def _write_record(self, ttft: float | None) -> None:

@@ -20,6 +20,7 @@ from ikcode.engines.base import (
     PromptTooLong,
     SamplingParams,
 )
+from ikcode.gateway.compaction import is_summary_request
 from ikcode.gateway.edge import check_model, clip
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
@@ -66,6 +67,10 @@ def sampling_params(gw: Gateway, body: MessagesRequest) -> SamplingParams:
         top_k=body.top_k or 0,
         max_tokens=body.max_tokens,
         stop_token_ids=gw.renderer.stop_token_ids,
+        repeat_penalty=gw.settings.repeat_penalty,
+        repeat_last_n=gw.settings.repeat_last_n,
+        frequency_penalty=gw.settings.frequency_penalty,
+        presence_penalty=gw.settings.presence_penalty,
     )
 
 
@@ -164,6 +169,14 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
             raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))
         # The reply cannot run past the context window.
         sampling = replace(sampling, max_tokens=min(sampling.max_tokens, gw.context_window - prompt_tokens))
+        if is_summary_request(body):
+            # A compaction: a cold read of the whole conversation and a long summary. Logged as
+            # such, and its output capped (the client keeps whatever summary it gets).
+            record["compaction"] = True
+            cap = gw.settings.summary_max_tokens
+            if cap is not None and sampling.max_tokens > cap:
+                record["summary_max_tokens"] = cap
+                sampling = replace(sampling, max_tokens=cap)
         # An agent step (a session with tools) usually comes back within seconds, after its tool
         # runs: ask the cache to keep that session's tail on the device for a bounded time.
         hold = gw.settings.session_hold_s if (session_id and body.tools) else None

@@ -92,6 +92,12 @@ class GatewayMetrics:
         )
         self.generated_tokens = Counter("ikcode_generated_tokens", "generated tokens", registry=r)
         self.in_flight = Gauge("ikcode_requests_in_flight", "requests being answered", registry=r)
+        # Claude Code's compaction (summary) requests: a cold read of a whole conversation each.
+        self.compactions = Counter("ikcode_compactions", "compaction (summary) requests answered", registry=r)
+        self.compaction_tokens = Counter(
+            "ikcode_compaction_tokens", "tokens of compaction requests", ["kind"], registry=r
+        )
+        self.last_compaction: dict[str, Any] = {}
         # Per user (auth token name): with salting on, each user's hit rate is their own cache's.
         self.user_prompt_tokens = Counter(
             "ikcode_user_prompt_tokens", "prompt tokens by user", ["user"], registry=r
@@ -123,6 +129,32 @@ class GatewayMetrics:
             "cached_tokens_host": int(host),
             "hit_rate": round((device + host) / prompt, 4) if prompt else 0.0,
             "generated_tokens": int(get("ikcode_generated_tokens_total") or 0),
+            **self._compaction_totals(),
+        }
+
+    def _compaction_totals(self) -> dict[str, Any]:
+        get = self.registry.get_sample_value
+        out: dict[str, Any] = {"compactions": int(get("ikcode_compactions_total") or 0)}
+        for kind in ("prompt", "cached", "output"):
+            value = get("ikcode_compaction_tokens_total", {"kind": kind})
+            out[f"compaction_{kind}_tokens"] = int(value or 0)
+        out.update({f"last_compaction_{k}": v for k, v in self.last_compaction.items()})
+        return out
+
+    def observe_compaction(
+        self, stats: RequestStats | None, ttft_s: float | None, output_tokens: int
+    ) -> None:
+        self.compactions.inc()
+        self.compaction_tokens.labels("output").inc(output_tokens)
+        prompt = stats.prompt_tokens if stats else 0
+        cached = stats.cached_tokens if stats else 0
+        self.compaction_tokens.labels("prompt").inc(prompt)
+        self.compaction_tokens.labels("cached").inc(cached)
+        self.last_compaction = {
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "output_tokens": output_tokens,
+            "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 2),
         }
 
     def by_user(self) -> dict[str, dict[str, float]]:

@@ -23,6 +23,13 @@ class GatewaySettings:
     max_body_bytes: int = 32 * 1024 * 1024
     max_concurrent_requests: int | None = None  # beyond it: 429 with retry-after
     default_temperature: float = 1.0  # the Messages API default
+    # Server-side repetition penalties (the Messages API has no field for them); off by default.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # Output cap of Claude Code's compaction (summary) requests; None: only max_output_tokens.
+    summary_max_tokens: int | None = None
     # Isolate each auth token's cache entries: one user's prompt must never be served (or timed)
     # from another's cache. None: on whenever more than one token can reach the server.
     cache_salt_per_user: bool | None = None

@@ -82,6 +82,7 @@ def mapping_for(profile: Profile, base_url: str | None = None, discover: bool = 
         context_window=served.context_window,
         max_output_tokens=served.max_output_tokens,
         api_timeout_ms=profile.claude.api_timeout_ms,
+        compact_at_fraction=profile.compaction.compact_at_fraction,
     )
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ikcode.launcher.compaction import DEFAULT_COMPACT_AT_FRACTION, compaction_env
+from ikcode.launcher.compaction import UNSET_VARS as COMPACTION_UNSET_VARS
+
 # Every variable through which Claude Code picks a model name for some role.
 MODEL_ROLE_VARS: tuple[str, ...] = (
     "ANTHROPIC_MODEL",
@@ -75,6 +78,7 @@ def claude_env(
     context_window: int,
     max_output_tokens: int,
     api_timeout_ms: int = 600_000,
+    compact_at_fraction: float = DEFAULT_COMPACT_AT_FRACTION,
 ) -> Mapping:
     """The environment that maps every Claude Code role to `served_model` at `base_url`."""
     if not served_model:
@@ -87,11 +91,11 @@ def claude_env(
     values.update(FIXED_VARS)
     values["API_TIMEOUT_MS"] = str(api_timeout_ms)
     values["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] = str(max_output_tokens)
-    # The client assumes 200K for unknown models; tell it the real window (it clamps the
-    # auto-compact window to >= 100K; below that the server's "prompt is too long" drives compaction).
-    values["CLAUDE_CODE_AUTO_COMPACT_WINDOW"] = str(context_window)
-    values["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(context_window)
+    # The client assumes a 200K or 1M window for unknown models: tell it the real one, and where
+    # to compact (see launcher/compaction.py for what was measured).
+    values.update(compaction_env(context_window, compact_at_fraction))
     unset = CONFLICTING_VARS if token else tuple(v for v in CONFLICTING_VARS if v != "ANTHROPIC_API_KEY")
+    unset += COMPACTION_UNSET_VARS
     # The picker's label for the served model (the opus role is where the main loop points).
     values["ANTHROPIC_DEFAULT_OPUS_MODEL_NAME"] = served_model
     values["ANTHROPIC_DEFAULT_OPUS_MODEL_DESCRIPTION"] = f"{served_model} served by ikcode"

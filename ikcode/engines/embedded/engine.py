@@ -269,7 +269,9 @@ class EmbeddedEngine:
                 for row, index in enumerate(which):
                     seq = scheduled[index].seq
                     try:
-                        self._append_token(seq, sample(logits[row], seq.request.sampling, seq.generator))
+                        self._append_token(
+                            seq, sample(logits[row], seq.request.sampling, seq.generator, seq.token_ids)
+                        )
                     except Exception as exc:
                         self._fail(seq, exc)
         self._release_due()

@@ -1,15 +1,54 @@
-"""Next-token choice: greedy at temperature 0, else temperature / top-k / top-p with the request's
-own seeded generator (so a seeded request samples the same tokens whatever else runs)."""
+"""Next-token choice: repetition penalties first, then greedy at temperature 0, else temperature /
+top-k / top-p with the request's own seeded generator (so a seeded request samples the same tokens
+whatever else runs).
+
+The penalties follow llama.cpp's `llama_sampler_penalties_apply` (src/llama-sampling.cpp) and
+Ollama's option names (`repeat_penalty`, `repeat_last_n`, `frequency_penalty`,
+`presence_penalty`; api/types.go DefaultOptions: 1.1 over the last 64 tokens). They read only the
+sequence's token ids, so a prefix served from the cache and one computed cold give the same
+tokens."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 from ikcode.engines.base import SamplingParams
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [vocab] fp32 for one sequence."""
+def penalize(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int]) -> torch.Tensor:
+    """logits with the penalties applied for the tokens among the last repeat_last_n of
+    token_ids (a new tensor; the input is left alone).
+
+    Stop tokens are exempt: the chat template puts an end-of-turn token just before the answer,
+    and penalising it would make the model less willing to stop, the opposite of the aim.
+    """
+    if not params.penalized or not token_ids:
+        return logits
+    recent = torch.tensor(list(token_ids[-params.repeat_last_n :]), dtype=torch.long)
+    ids, counts = torch.unique(recent, return_counts=True)
+    if params.stop_token_ids:
+        keep = ~torch.isin(ids, torch.tensor(params.stop_token_ids, dtype=torch.long))
+        ids, counts = ids[keep], counts[keep]
+    picked = logits[ids]
+    if params.repeat_penalty != 1.0:
+        # CTRL's penalty divides; multiplying negative logits keeps "less likely" true for them.
+        picked = torch.where(picked <= 0, picked * params.repeat_penalty, picked / params.repeat_penalty)
+    picked = picked - counts.to(logits.dtype) * params.frequency_penalty - params.presence_penalty
+    out = logits.clone()
+    out[ids] = picked
+    return out
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    token_ids: Sequence[int] = (),
+) -> int:
+    """logits: [vocab] fp32 for one sequence; token_ids: the sequence so far (prompt + output)."""
+    logits = penalize(logits, params, token_ids)
     if params.temperature <= 0 or generator is None:
         return int(torch.argmax(logits))
     scores = logits / params.temperature

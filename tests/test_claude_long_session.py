@@ -105,6 +105,7 @@ def test_32k_embedded_engine_long_session(tmp_path, compacting_claude, claude_ho
         tiny_state_dict(cfg),
         EmbeddedEngineConfig(kv_memory_bytes=64 << 20, num_threads=1, device="cpu"),
     )
+    engine.start()
     token = auth.load_or_create_token()
     settings = GatewaySettings(
         served_model="tiny-32k",

@@ -53,7 +53,7 @@ def test_bad_penalty_values_are_rejected():
 def test_cached_prefix_gives_the_same_tokens_as_cold_with_penalties():
     torch.set_num_threads(1)
     rng = random.Random(17)
-    engine = tiny_engine(autostart=False, kv_memory_bytes=1024 * 1024, max_num_seqs=4)
+    engine = tiny_engine(kv_memory_bytes=1024 * 1024, max_num_seqs=4, start=False)
     engine.start()
     changed = 0
     for trial in range(8):
@@ -95,6 +95,7 @@ def test_default_model_hello_py_same_cold_and_warm_at_the_local_profile_settings
         default_model.state_dict,
         EmbeddedEngineConfig(kv_memory_bytes=1 << 28, num_threads=2),
     )
+    engine.start()
     try:
         for temperature, seed in ((0.0, None), (model.default_temperature, 7)):
             params = SamplingParams(

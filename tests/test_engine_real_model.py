@@ -3,6 +3,8 @@ long prompt repeated with a new tail served from the prefix cache."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jinja2
 import pytest
 
@@ -42,9 +44,12 @@ def test_capital_of_france(loaded, engine):
 
 @pytest.mark.slow
 def test_long_prompt_repeated_is_served_from_cache(loaded, engine):
-    import ikcode.engines.base as base_module
+    import ikcode.engines as engines_package
 
-    text = open(base_module.__file__).read()
+    # Real source text as a long prompt: the engine boundary modules.
+    engines_dir = Path(engines_package.__file__).parent
+    names = ("errors", "request", "events", "stream", "base")
+    text = "".join((engines_dir / f"{name}.py").read_text() for name in names)
     prompt = loaded.tokenizer.encode(text * 4)[:6000]
     assert len(prompt) == 6000
     _, cold = engine.submit(EngineRequest("cold", prompt, SamplingParams(max_tokens=1))).collect(600)

@@ -28,19 +28,12 @@ from hashlib import blake2b
 from typing import Any
 
 from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
+from ikcode.gateway.content_text import assistant_text, call_names, system_message_text, user_items, user_text
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
-from ikcode.gateway.tool_formats import (
-    CallItem,
-    ResultItem,
-    ToolFormat,
-    callable_tools,
-    choice_text,
-    tool_format_for,
-)
+from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
 BILLING_HEADER = "x-anthropic-billing-header"
-IMAGE_PLACEHOLDER = "[image omitted: the served model reads text only]"
 _ROOT = b"\x00" * 16
 # Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
 # tool format adds its own markers.
@@ -215,7 +208,7 @@ class Renderer:
             chain, fresh, count = _chain(chain, key), fresh + n, count + 1
             boundaries.append((chain, len(ids)))
         turns = _merge_assistant_turns(messages)
-        names = _call_names(turns)
+        names = call_names(turns)
         prefill = False
         for index, (role, content) in enumerate(turns):
             last = index == len(turns) - 1
@@ -227,16 +220,16 @@ class Renderer:
                     seg, n = reply, 0
                 else:
                     seg, n = self._segment(
-                        "assistant", key, lambda c=content: self._assistant_text(c), not last
+                        "assistant", key, lambda c=content: assistant_text(c, self.tool_format), not last
                     )
             elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
                 key = _digest(b"results\x00" + json.dumps(parts).encode())
                 seg, n = self._marked_segment(key, parts)
             else:
                 if role == "user":
-                    text = self._user_text(content, names, deferred)
+                    text = user_text(content, names, deferred, self.tool_format)
                 else:
-                    text = self._system_message_text(content)
+                    text = system_message_text(content)
                 key = _digest(role.encode() + b"\x00" + text.encode())
                 seg, n = self._segment(role, key, lambda t=text: t)
             ids.extend(seg)
@@ -257,33 +250,7 @@ class Renderer:
         segment = self._gen_ids + ids + self._suffix_ids["assistant"]
         self.store.put_reply(rendered.reply_prefix_key, assistant_content_key(content), segment)
 
-    # -- content -> text ----------------------------------------------------------------------
-    def _user_items(
-        self, content: list[Any], names: dict[str, str], deferred: dict[str, Any]
-    ) -> list[tuple[str, Any]]:
-        items: list[tuple[str, Any]] = []
-        for block in content:
-            kind = block.type
-            if kind == "text":
-                items.append(("text", block.text))
-            elif kind == "tool_result":
-                name = names.get(block.tool_use_id, "")
-                text = self._result_text(block.content, deferred)
-                items.append(("result", ResultItem(block.tool_use_id, name, text, bool(block.is_error))))
-            elif kind == "image":
-                raise invalid_request("image content is not supported: the served model reads text only")
-            elif kind == "document":
-                items.append(("text", _document_text(block)))
-            elif kind in ("tool_use", "server_tool_use"):
-                raise invalid_request("messages: tool_use blocks may only appear in assistant messages")
-            # thinking blocks in a user turn carry nothing for the model
-        return items
-
-    def _user_text(self, content: str | list[Any], names: dict[str, str], deferred: dict[str, Any]) -> str:
-        if isinstance(content, str):
-            return content
-        return self.tool_format.user_text(self._user_items(content, names, deferred))
-
+    # -- tool results in turns of their own -------------------------------------------------------
     def _result_parts(
         self, content: str | list[Any], names: dict[str, str], deferred: dict[str, Any]
     ) -> list[tuple[str, str, str]] | None:
@@ -291,7 +258,7 @@ class Renderer:
         (prefix, body, suffix) texts, None for the user's markers. None: a plain user turn."""
         if isinstance(content, str) or not any(block.type == "tool_result" for block in content):
             return None
-        items = self._user_items(content, names, deferred)
+        items = user_items(content, names, deferred)
         results = [value for kind, value in items if kind == "result"]
         turns = self.tool_format.result_turns(results)
         if turns is None:
@@ -314,88 +281,6 @@ class Renderer:
             fresh += len(body_ids)
         self.store.put_segment(key, ids)
         return ids, fresh
-
-    def _result_text(self, content: str | list[Any] | None, deferred: dict[str, Any]) -> str:
-        if content is None or isinstance(content, str):
-            return content or ""
-        parts = []
-        references = [block.tool_name for block in content if block.type == "tool_reference"]
-        if references:
-            parts.append(loaded_tools_text(references, deferred))
-        for block in content:
-            if block.type == "tool_reference":
-                continue
-            if block.type == "text":
-                parts.append(block.text)
-            elif block.type == "image":  # e.g. Read on a picture: refusing would wedge the session
-                parts.append(IMAGE_PLACEHOLDER)
-            else:
-                parts.append(_document_text(block))
-        return "\n".join(parts)
-
-    def _system_message_text(self, content: str | list[Any]) -> str:
-        if isinstance(content, str):
-            return content
-        return "\n".join(block.text for block in content if block.type == "text")
-
-    def _assistant_text(self, content: str | list[Any]) -> str:
-        if isinstance(content, str):
-            return content
-        items: list[tuple[str, Any]] = []
-        for block in content:
-            kind = block.type
-            if kind == "text":
-                items.append(("text", block.text))
-            elif kind in ("tool_use", "server_tool_use"):
-                items.append(("call", CallItem(block.id, block.name, block.input)))
-            elif kind == "thinking":
-                items.append(("thinking", block.thinking))
-            elif kind in ("tool_result", "image", "document"):
-                raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
-        return self.tool_format.assistant_text(items)
-
-
-def loaded_tools_text(names: list[str], deferred: dict[str, Any]) -> str:
-    """Deferred tools loaded by a tool search, as its description promises the model: one
-    <function>{"description", "name", "parameters"}</function> line each inside <functions>."""
-    lines = []
-    for name in names:
-        tool = deferred.get(name)
-        if tool is None:  # not among this request's tools: the name is all there is to show
-            definition: dict[str, Any] = {"name": name}
-        else:
-            definition = {
-                "description": tool.description or "",
-                "name": name,
-                "parameters": tool.input_schema,
-            }
-        lines.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
-    return "<functions>\n" + "\n".join(lines) + "\n</functions>"
-
-
-def _document_text(block: Any) -> str:
-    source = block.source if isinstance(block.source, dict) else {}
-    title = getattr(block, "title", None)
-    if source.get("type") == "text" and isinstance(source.get("data"), str):
-        text = source["data"]
-    elif source.get("type") == "content" and isinstance(source.get("content"), list):
-        text = "\n".join(
-            b["text"] for b in source["content"] if isinstance(b, dict) and isinstance(b.get("text"), str)
-        )
-    else:
-        raise invalid_request("document content is supported only as plain text (source type 'text')")
-    return f"{title}\n{text}" if title else text
-
-
-def _call_names(turns: list[tuple[str, Any]]) -> dict[str, str]:
-    """tool_use id -> tool name: some formats name the tool beside its result (gpt-oss)."""
-    return {
-        block.id: block.name
-        for role, content in turns
-        if role == "assistant" and not isinstance(content, str)
-        for block in content
-        if getattr(block, "type", None) in ("tool_use", "server_tool_use")
-    }
 
 
 def _merge_assistant_turns(messages: list[Any]) -> list[tuple[str, Any]]:

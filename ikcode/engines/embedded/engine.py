@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from ikcode.cache import BlockHash, PrefixCache, blocks_for_budget, hash_blocks, kv_bytes_per_block
+from ikcode.cache import BlockHash, hash_blocks
 from ikcode.engines.base import (
     CacheLookup,
     EngineError,
@@ -40,19 +40,13 @@ from ikcode.engines.base import (
     check_request,
 )
 from ikcode.engines.embedded.config import EmbeddedEngineConfig
-from ikcode.engines.embedded.model_runner import ModelRunner
+from ikcode.engines.embedded.kv_pools import build_kv_pools, resolve_device
 from ikcode.engines.embedded.sampler import sample
 from ikcode.engines.embedded.scheduler import Scheduler, committable_hashes
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
 from ikcode.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class EmbeddedEngine:
@@ -69,46 +63,8 @@ class EmbeddedEngine:
         self.model_config = mc = model_config
         self.device = resolve_device(config.device)
         bs = config.block_size
-        block_bytes = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, dtype_bytes=4)
-        self.num_blocks = blocks_for_budget(
-            bs, bytes_budget=config.kv_memory_bytes, bytes_per_block=block_bytes
-        )
-        if self.num_blocks < 2:
-            raise ValueError(
-                f"kv_memory_bytes={config.kv_memory_bytes} holds {self.num_blocks} blocks of "
-                f"{block_bytes} bytes; at least 2 are needed"
-            )
-        num_host = (
-            blocks_for_budget(bs, bytes_budget=config.host_kv_memory_bytes, bytes_per_block=block_bytes)
-            if config.host_kv_memory_bytes
-            else 0
-        )
-        self.runner = ModelRunner(
-            mc,
-            state_dict,
-            self.num_blocks,
-            num_host,
-            bs,
-            self.device,
-            config.batch_invariance,
-            config.weights,
-        )
-        # A tier's budget is a ceiling: check it against the tensors actually allocated.
-        for tier, used, budget in (
-            ("device", self.runner.device_kv_bytes, config.kv_memory_bytes),
-            ("host", self.runner.host_kv_bytes, config.host_kv_memory_bytes),
-        ):
-            if used > budget:
-                raise RuntimeError(f"{tier} KV tensors take {used} bytes, over the {budget}-byte budget")
-        self.cache = PrefixCache(
-            self.num_blocks,
-            bs,
-            num_host,
-            store=self.runner if num_host else None,
-            policy=config.cache_policy,
-            write_through=config.host_write_through,
-            bytes_per_block=self.runner.device_kv_bytes // self.num_blocks,  # measured
-        )
+        pools = build_kv_pools(mc, state_dict, config, self.device)
+        self.runner, self.cache, self.num_blocks = pools.runner, pools.cache, pools.num_blocks
         self.scheduler = Scheduler(
             self.cache, config.max_num_seqs, config.max_prefill_tokens_per_step, on_admit=self._on_admit
         )

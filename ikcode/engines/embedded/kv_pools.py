@@ -1,0 +1,79 @@
+"""Sizing and building the embedded engine's KV pools: the device (and optional host) tensors the
+model runner allocates, and the prefix cache that indexes them.
+
+The byte budgets in EmbeddedEngineConfig are ceilings: they are turned into whole blocks here,
+and checked again against the tensors actually allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ikcode.cache import PrefixCache, blocks_for_budget, kv_bytes_per_block
+from ikcode.engines.embedded.config import EmbeddedEngineConfig
+from ikcode.engines.embedded.model_runner import ModelRunner
+from ikcode.model.config import ModelConfig
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+@dataclass
+class KVPools:
+    runner: ModelRunner
+    cache: PrefixCache
+    num_blocks: int  # device blocks
+
+
+def build_kv_pools(
+    model_config: ModelConfig,
+    state_dict: dict[str, torch.Tensor],
+    config: EmbeddedEngineConfig,
+    device: torch.device,
+) -> KVPools:
+    mc = model_config
+    bs = config.block_size
+    block_bytes = kv_bytes_per_block(mc.num_layers, mc.num_kv_heads, mc.head_dim, bs, dtype_bytes=4)
+    num_blocks = blocks_for_budget(bs, bytes_budget=config.kv_memory_bytes, bytes_per_block=block_bytes)
+    if num_blocks < 2:
+        raise ValueError(
+            f"kv_memory_bytes={config.kv_memory_bytes} holds {num_blocks} blocks of "
+            f"{block_bytes} bytes; at least 2 are needed"
+        )
+    num_host = (
+        blocks_for_budget(bs, bytes_budget=config.host_kv_memory_bytes, bytes_per_block=block_bytes)
+        if config.host_kv_memory_bytes
+        else 0
+    )
+    runner = ModelRunner(
+        mc,
+        state_dict,
+        num_blocks,
+        num_host,
+        bs,
+        device,
+        config.batch_invariance,
+        config.weights,
+    )
+    # A tier's budget is a ceiling: check it against the tensors actually allocated.
+    for tier, used, budget in (
+        ("device", runner.device_kv_bytes, config.kv_memory_bytes),
+        ("host", runner.host_kv_bytes, config.host_kv_memory_bytes),
+    ):
+        if used > budget:
+            raise RuntimeError(f"{tier} KV tensors take {used} bytes, over the {budget}-byte budget")
+    cache = PrefixCache(
+        num_blocks,
+        bs,
+        num_host,
+        store=runner if num_host else None,
+        policy=config.cache_policy,
+        write_through=config.host_write_through,
+        bytes_per_block=runner.device_kv_bytes // num_blocks,  # measured
+    )
+    return KVPools(runner, cache, num_blocks)

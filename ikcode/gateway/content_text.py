@@ -1,0 +1,131 @@
+"""Message content -> the text a tool format renders, one function per kind of turn.
+
+User turns become ("text" | "result", value) items that the tool format joins; assistant turns
+become ("text" | "call" | "thinking", value) items. Blocks the served model cannot read are
+refused with an Anthropic invalid_request error, except an image inside a tool result, which
+becomes a placeholder line (refusing it would wedge the client's session). A tool result holding
+`tool_reference` blocks shows the referenced deferred tools' definitions (see `loaded_tools_text`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ikcode.gateway.errors import invalid_request
+from ikcode.gateway.tool_formats import CallItem, ResultItem, ToolFormat
+
+IMAGE_PLACEHOLDER = "[image omitted: the served model reads text only]"
+
+
+def user_items(content: list[Any], names: dict[str, str], deferred: dict[str, Any]) -> list[tuple[str, Any]]:
+    items: list[tuple[str, Any]] = []
+    for block in content:
+        kind = block.type
+        if kind == "text":
+            items.append(("text", block.text))
+        elif kind == "tool_result":
+            name = names.get(block.tool_use_id, "")
+            text = result_text(block.content, deferred)
+            items.append(("result", ResultItem(block.tool_use_id, name, text, bool(block.is_error))))
+        elif kind == "image":
+            raise invalid_request("image content is not supported: the served model reads text only")
+        elif kind == "document":
+            items.append(("text", document_text(block)))
+        elif kind in ("tool_use", "server_tool_use"):
+            raise invalid_request("messages: tool_use blocks may only appear in assistant messages")
+        # thinking blocks in a user turn carry nothing for the model
+    return items
+
+
+def user_text(
+    content: str | list[Any], names: dict[str, str], deferred: dict[str, Any], tool_format: ToolFormat
+) -> str:
+    if isinstance(content, str):
+        return content
+    return tool_format.user_text(user_items(content, names, deferred))
+
+
+def result_text(content: str | list[Any] | None, deferred: dict[str, Any]) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    references = [block.tool_name for block in content if block.type == "tool_reference"]
+    if references:
+        parts.append(loaded_tools_text(references, deferred))
+    for block in content:
+        if block.type == "tool_reference":
+            continue
+        if block.type == "text":
+            parts.append(block.text)
+        elif block.type == "image":  # e.g. Read on a picture: refusing would wedge the session
+            parts.append(IMAGE_PLACEHOLDER)
+        else:
+            parts.append(document_text(block))
+    return "\n".join(parts)
+
+
+def system_message_text(content: str | list[Any]) -> str:
+    if isinstance(content, str):
+        return content
+    return "\n".join(block.text for block in content if block.type == "text")
+
+
+def assistant_text(content: str | list[Any], tool_format: ToolFormat) -> str:
+    if isinstance(content, str):
+        return content
+    items: list[tuple[str, Any]] = []
+    for block in content:
+        kind = block.type
+        if kind == "text":
+            items.append(("text", block.text))
+        elif kind in ("tool_use", "server_tool_use"):
+            items.append(("call", CallItem(block.id, block.name, block.input)))
+        elif kind == "thinking":
+            items.append(("thinking", block.thinking))
+        elif kind in ("tool_result", "image", "document"):
+            raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
+    return tool_format.assistant_text(items)
+
+
+def loaded_tools_text(names: list[str], deferred: dict[str, Any]) -> str:
+    """Deferred tools loaded by a tool search, as its description promises the model: one
+    <function>{"description", "name", "parameters"}</function> line each inside <functions>."""
+    lines = []
+    for name in names:
+        tool = deferred.get(name)
+        if tool is None:  # not among this request's tools: the name is all there is to show
+            definition: dict[str, Any] = {"name": name}
+        else:
+            definition = {
+                "description": tool.description or "",
+                "name": name,
+                "parameters": tool.input_schema,
+            }
+        lines.append(f"<function>{json.dumps(definition, ensure_ascii=False)}</function>")
+    return "<functions>\n" + "\n".join(lines) + "\n</functions>"
+
+
+def document_text(block: Any) -> str:
+    source = block.source if isinstance(block.source, dict) else {}
+    title = getattr(block, "title", None)
+    if source.get("type") == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif source.get("type") == "content" and isinstance(source.get("content"), list):
+        text = "\n".join(
+            b["text"] for b in source["content"] if isinstance(b, dict) and isinstance(b.get("text"), str)
+        )
+    else:
+        raise invalid_request("document content is supported only as plain text (source type 'text')")
+    return f"{title}\n{text}" if title else text
+
+
+def call_names(turns: list[tuple[str, Any]]) -> dict[str, str]:
+    """tool_use id -> tool name: some formats name the tool beside its result (gpt-oss)."""
+    return {
+        block.id: block.name
+        for role, content in turns
+        if role == "assistant" and not isinstance(content, str)
+        for block in content
+        if getattr(block, "type", None) in ("tool_use", "server_tool_use")
+    }

@@ -74,6 +74,9 @@ class DeepInferEngine:
         self._listeners: list[LifecycleListener] = []
         self.router = SessionRouter(config.data_parallel_size, config.affinity_max_imbalance)
         self._lock = threading.Lock()
+        # One thread at a time reaps the rank processes: two threads waiting on the same child race
+        # in waitpid, and the loser sees a dead rank as still alive.
+        self._reap_lock = threading.Lock()
         self._streams: dict[str, tuple[RequestStream, _Rank]] = {}
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
@@ -147,9 +150,10 @@ class DeepInferEngine:
                 r.send(("stop",))
             except OSError:
                 pass
-        for r in self.ranks:
-            r.process.join(timeout=max(5.0, deadline - time.monotonic() + 5.0))
-        self._stop_processes()
+        with self._reap_lock:
+            for r in self.ranks:
+                r.process.join(timeout=max(5.0, deadline - time.monotonic() + 5.0))
+            self._stop_processes_locked()
         self._fail_streams(EngineShutdown())
         if self.host_pool is not None:
             self.host_pool.close()
@@ -339,10 +343,16 @@ class DeepInferEngine:
             stream.put(TokenEvent(stream.request_id, [], True, FinishReason.ERROR, None, error))
 
     def _stop_processes(self) -> None:
+        with self._reap_lock:
+            self._stop_processes_locked()
+
+    def _stop_processes_locked(self) -> None:
         for r in self.ranks:
             if r.process.is_alive():
                 r.process.terminate()
         for r in self.ranks:
             r.process.join(timeout=10)
             if r.process.is_alive():
+                # A rank blocked in a collective with a dead peer may not act on SIGTERM in time.
                 r.process.kill()
+                r.process.join(timeout=10)  # reap it, so nothing is left running after shutdown

@@ -104,7 +104,12 @@ def plan(hw: HardwareModel, context_tokens: int, agents: int, load: PlanLoad | N
 
 
 def simulate_limit(
-    hw: HardwareModel, context_tokens: int, limit: int, admission: Any, block_size: int = 2048
+    hw: HardwareModel,
+    context_tokens: int,
+    limit: int,
+    admission: Any,
+    block_size: int = 2048,
+    engine_schedule: dict[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """The simulator at plan's limit, 10% under it and 25% past it: where turns start waiting."""
     from ikcode.bench.simulate import run_simulation
@@ -113,7 +118,11 @@ def simulate_limit(
     rows = []
     for agents in sorted({max(1, int(limit * 0.9)), limit, int(limit * 1.25)}):
         report = run_simulation(
-            hw, admission, AgentsWorkload(agents=agents, context_tokens=context_tokens), block_size
+            hw,
+            admission,
+            AgentsWorkload(agents=agents, context_tokens=context_tokens),
+            block_size,
+            engine_schedule=engine_schedule,
         )
         rows.append(
             {

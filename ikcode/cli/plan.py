@@ -39,7 +39,7 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
     """
     from rich.console import Console
 
-    from ikcode.bench.hardware import HardwareModel
+    from ikcode.bench.hardware import HardwareModel, adapter_schedule
     from ikcode.plan import plan
     from ikcode.profiles import ProfileError, load_profile
 
@@ -59,7 +59,10 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
             ikcode = AdmissionConfig.from_dict(profile.admission, policy="ikcode")
             result["simulated"] = simulate_limit(
                 hw, context_tokens, result["max_agents_resident"], fifo, block
-            ) + simulate_limit(hw, context_tokens, result["max_agents_at_this_size"], ikcode, block)
+            )
+            limit = result["max_agents_at_this_size"]
+            schedule = adapter_schedule(profile)
+            result["simulated"] += simulate_limit(hw, context_tokens, limit, ikcode, block, schedule)
     except (ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:

@@ -240,4 +240,8 @@ class RankLoop:
             "engine_unfinished": engine.get_num_unfinished_requests(),
             "steps": self.steps, "placeholder_steps": self.placeholder_steps,
             "forward_tokens": getattr(engine.driver_worker.model_runner, "forward_tokens", None),
+            # the step settings DeepInfer's own SchedulerConfig took (config.py:185-206)
+            "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
+            "prefill_attempt_interval": engine.scheduler_config.prefill_attempt_interval,
+            "prefill_any_attempt_interval": engine.scheduler_config.prefill_any_attempt_interval,
         }  # fmt: skip

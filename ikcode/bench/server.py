@@ -112,7 +112,7 @@ class SimulatedServer:
         self.now = 0.0
         clock: Callable[[], float] = lambda: self.now  # noqa: E731 - the cache's and admission's clock
         self.ranks = [
-            SimRank(i, hardware, block_size, host_tier=ikcode, copy_device_hits=ikcode,
+            SimRank(i, hardware, block_size, host_tier=ikcode,
                     cache_policy=cache_policy, clock=clock)
             for i in range(hardware.cards)
         ]  # fmt: skip

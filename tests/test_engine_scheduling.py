@@ -10,11 +10,13 @@ import random
 import pytest
 import torch
 
-from ikcode.engines.base import EngineRequest, FinishReason, SamplingParams
+from ikcode.engines.base import EngineRequest, FinishReason, LifecycleKind, SamplingParams
 from ikcode.engines.embedded.sequence import SequenceStatus
 from tests.tiny_model import assert_pool_clean, tiny_engine
 
 BUDGET = 64  # prefill tokens per step
+ADMITTED, FIRST_TOKEN = LifecycleKind.ADMITTED, LifecycleKind.FIRST_TOKEN
+FINISHED, RELEASED = LifecycleKind.FINISHED, LifecycleKind.RELEASED
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +130,10 @@ def test_admission_takes_every_seat_it_can_and_keeps_arrival_order_under_back_pr
 def test_abort_at_every_stage_ends_the_stream_once_and_leaks_nothing(stage: str):
     engine = _engine(release_lag_steps=3)
     table = engine.scheduler.seqs
-    stream = _submit(engine, "r", _prompt(6, 200), max_tokens=6)
+    kinds: list[LifecycleKind] = []
+    engine.add_listener(lambda e: kinds.append(e.kind))
+    prompt = _prompt(6, 200)
+    stream = _submit(engine, "r", prompt, max_tokens=6)
     assert table["r"].status is SequenceStatus.WAITING
     if stage != "waiting":
         engine.step()
@@ -150,5 +155,17 @@ def test_abort_at_every_stage_ends_the_stream_once_and_leaks_nothing(stage: str)
     else:
         assert final.finish_reason is FinishReason.ABORT
         assert "r" not in table  # an aborted sequence is released at once
+    _step_until(engine, engine.idle)
+    expected = {
+        "waiting": [FINISHED],  # it never held blocks: nothing to release
+        "prefilling": [ADMITTED, FINISHED, RELEASED],
+        "decoding": [ADMITTED, FIRST_TOKEN, FINISHED, RELEASED],
+        "finished": [ADMITTED, FIRST_TOKEN, FINISHED, RELEASED],
+        "released": [ADMITTED, FIRST_TOKEN, FINISHED, RELEASED],
+    }
+    assert kinds == expected[stage]
+    if stage in ("finished", "released"):  # committed at its release, as if never aborted
+        block_size = engine.config.block_size
+        assert engine.lookup(prompt).cached_tokens == len(prompt) // block_size * block_size
     _finish_all(engine)
     assert not table

@@ -61,20 +61,20 @@ class EmbeddedEngine:
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_config = mc = model_config
+        self.model_config = model_config
         self.device = resolve_device(config.device)
-        bs = config.block_size
-        pools = build_kv_pools(mc, state_dict, config, self.device)
+        block_size = config.block_size
+        pools = build_kv_pools(model_config, state_dict, config, self.device)
         self.runner, self.cache, self.num_blocks = pools.runner, pools.cache, pools.num_blocks
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens_per_step)
         # A sequence must fit the pool on its own, or preemption could never make room for it.
-        self.context_window = min(mc.max_position_embeddings, self.num_blocks * bs)
+        self.context_window = min(model_config.max_position_embeddings, self.num_blocks * block_size)
         self._info = EngineInfo(
-            model_name=config.model_name or mc.name,
+            model_name=config.model_name or model_config.name,
             context_window=self.context_window,
-            vocab_size=mc.vocab_size,
-            eos_token_ids=tuple(mc.eos_token_ids),
-            block_size=bs,
+            vocab_size=model_config.vocab_size,
+            eos_token_ids=tuple(model_config.eos_token_ids),
+            block_size=block_size,
             kind="embedded",
             device=str(self.device),
         )
@@ -119,7 +119,7 @@ class EmbeddedEngine:
         limit = min(self.context_window, len(prompt) + request.sampling.max_tokens)
         seq = Sequence(request, stream, max_total_tokens=limit)
         with self._lock:
-            if self._stopping:  # checked again where the inbox is: shutdown may have begun
+            if self._stopping:  # checked again under the lock: shutdown may have begun
                 raise EngineShutdown()
             if self.scheduler.get(request.request_id) is not None:
                 raise EngineError(f"request id {request.request_id!r} is already in use")

@@ -15,6 +15,7 @@ from ikcode.engines.embedded.sequence import SequenceStatus
 from tests.tiny_model import assert_pool_clean, tiny_engine
 
 BUDGET = 64  # prefill tokens per step
+CHUNK = 32  # at most this many a step for a prefill that cannot finish in one
 ADMITTED, FIRST_TOKEN = LifecycleKind.ADMITTED, LifecycleKind.FIRST_TOKEN
 FINISHED, RELEASED = LifecycleKind.FINISHED, LifecycleKind.RELEASED
 
@@ -31,7 +32,12 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _engine(**config):
     """A stepped-by-hand engine whose steps record what they ran: [{request id: tokens}]."""
-    config = {"kv_memory_bytes": 1 << 20, "max_prefill_tokens_per_step": BUDGET, **config}
+    config = {
+        "kv_memory_bytes": 1 << 20,
+        "max_prefill_tokens_per_step": BUDGET,
+        "long_prefill_chunk_tokens": CHUNK,
+        **config,
+    }
     engine = tiny_engine(start=False, **config)
     engine.ran = []
     run = engine.runner.run
@@ -67,8 +73,8 @@ def test_a_warm_tail_gets_its_first_token_from_a_step_without_cold_prefill():
     engine = _engine()
     _submit(engine, "cold", _prompt(1, 1000))
     engine.step()
-    engine.step()  # the cold prefill is under way, alone: whole budgets
-    assert engine.ran == [{"cold": BUDGET}, {"cold": BUDGET}]
+    engine.step()  # the cold prefill is under way
+    assert engine.ran == [{"cold": CHUNK}, {"cold": CHUNK}]
     tail = _submit(engine, "warm", _prompt(2, 20))
     engine.step()
     # The tail's step carries only the tail: its first token waits for 20 tokens, not 20 + a
@@ -77,7 +83,7 @@ def test_a_warm_tail_gets_its_first_token_from_a_step_without_cold_prefill():
     first = next(iter(tail))
     assert first.token_ids and not first.finished
     engine.step()  # the cold prefill sat out one step: now it runs beside the tail's decode
-    assert engine.ran[-1] == {"warm": 1, "cold": BUDGET // 2}
+    assert engine.ran[-1] == {"warm": 1, "cold": CHUNK}
     _finish_all(engine)
 
 
@@ -95,16 +101,20 @@ def test_a_stream_of_tails_never_starves_a_cold_prefill():
     _finish_all(engine)
 
 
-def test_a_long_prefill_takes_half_a_budget_while_others_decode_and_all_of_it_alone():
+def test_a_long_prefill_runs_in_short_chunks_beside_decodes_and_alone():
+    """A step is as long as the tokens in it, and whoever arrives during it waits for its end."""
     engine = _engine()
     _submit(engine, "agent", _prompt(4, 10), max_tokens=8)
     engine.step()  # its prefill
     _submit(engine, "cold", _prompt(5, 600))
     engine.step()
-    assert engine.ran[-1] == {"agent": 1, "cold": BUDGET // 2}
+    assert engine.ran[-1] == {"agent": 1, "cold": CHUNK}
     _step_until(engine, lambda: engine.scheduler.get("agent") is None)
     engine.step()
-    assert engine.ran[-1] == {"cold": BUDGET}  # alone: nobody waits on this step
+    assert engine.ran[-1] == {"cold": CHUNK}  # alone too: a tail may arrive during any step
+    _step_until(engine, lambda: engine.scheduler.get("cold").is_decoding)
+    chunks = [ran["cold"] for ran in engine.ran if "cold" in ran]
+    assert set(chunks[:-1]) == {CHUNK} and chunks[-1] <= BUDGET  # the last: what was left
     _finish_all(engine)
 
 

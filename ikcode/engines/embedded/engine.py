@@ -66,7 +66,12 @@ class EmbeddedEngine:
         block_size = config.block_size
         pools = build_kv_pools(model_config, state_dict, config, self.device)
         self.runner, self.cache, self.num_blocks = pools.runner, pools.cache, pools.num_blocks
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens_per_step)
+        self.scheduler = Scheduler(
+            self.cache,
+            config.max_num_seqs,
+            config.max_prefill_tokens_per_step,
+            config.long_prefill_chunk_tokens,
+        )
         # A sequence must fit the pool on its own, or preemption could never make room for it.
         self.context_window = min(model_config.max_position_embeddings, self.num_blocks * block_size)
         self._info = EngineInfo(

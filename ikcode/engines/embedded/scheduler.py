@@ -44,11 +44,14 @@ def committable_hashes(seq: Sequence, block_size: int) -> list[BlockHash]:
 
 
 class Scheduler:
-    def __init__(self, cache: PrefixCache, max_num_seqs: int, max_prefill_tokens: int):
+    def __init__(
+        self, cache: PrefixCache, max_num_seqs: int, max_prefill_tokens: int, long_prefill_chunk_tokens: int
+    ):
         self.cache = cache
         self.block_size = cache.block_size
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max_prefill_tokens
+        self.long_prefill_chunk_tokens = long_prefill_chunk_tokens
         self.seqs: dict[str, Sequence] = {}  # submitted and not yet released, arrival order
 
     # ---- the table ---------------------------------------------------------------------------
@@ -123,21 +126,21 @@ class Scheduler:
             num_running += 1
             if seq.num_preemptions == 0:
                 plan.admitted.append(seq)
-        plan.scheduled += self._schedule_prefills(decoding=bool(plan.scheduled))
+        plan.scheduled += self._schedule_prefills()
         # A sequence scheduled early in this pass may have been preempted later in it.
         plan.scheduled = [s for s in plan.scheduled if s.seq.status is SequenceStatus.RUNNING]
         return plan
 
-    def _schedule_prefills(self, decoding: bool) -> list[ScheduledSeq]:
-        """Share the step's prefill budget: tails first, then at most part of a long prefill.
+    def _schedule_prefills(self) -> list[ScheduledSeq]:
+        """Share the step's prefill budget: tails first, then a chunk of a long prefill.
 
         A warm turn's tail (the few hundred tokens after its cached prefix) is one step from its
         first token, and that step's length is its wait: so the shortest prefills go first, each
         whole when it fits. A prefill that cannot finish in this step stays out of a step that
         carries a first token, unless it was passed over in the step before (it progresses at
-        least every other step: a stream of tails never starves it); and while other sequences
-        decode its chunk is at most half the budget, so the step a new tail arrives behind, and
-        every decode token, waits for half a chunk, not a whole one.
+        least every other step: a stream of tails never starves it). Its chunk is at most
+        long_prefill_chunk_tokens, even alone: a tail that arrives during the step waits for
+        the step to end, and every decode token waits for it too.
         """
         out: list[ScheduledSeq] = []
         budget = self.max_prefill_tokens
@@ -158,10 +161,7 @@ class Scheduler:
                 if first_tokens and not seq.prefill_passed_over:
                     seq.prefill_passed_over = True
                     continue
-                if first_tokens or decoding or len(pending) > 1:
-                    n = min(budget, max(1, self.max_prefill_tokens // 2))
-                else:
-                    n = budget  # alone in the engine: nobody waits on this step
+                n = min(budget, self.long_prefill_chunk_tokens)
             if not self._grow(seq, n):
                 continue  # seq itself was preempted
             seq.prefill_passed_over = False

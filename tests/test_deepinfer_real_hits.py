@@ -155,6 +155,27 @@ def test_aborted_warm_turns_leak_nothing_and_leave_the_prefix_served(tmp_path):
     assert cold_answers(tmp_path, {"last": last}, 24)["last"] == warm
 
 
+def test_room_for_a_warm_turn_is_not_made_from_its_own_prefix(tmp_path):
+    """A full GPU tier, the returning conversation's prefix the least recently used: the eviction
+    that makes room for its allocation (the whole prompt, before the copy gives the hit's blocks
+    back) takes the other conversation's blocks, not the prefix it is about to copy."""
+    engine = real_engine(tmp_path, blocks=64, gpu_tier_fraction=0.6, prime_min_tokens=0)
+    try:  # 63 usable blocks, 37 GPU-tier slots, 8 kept free for the prefill watermark
+        history = random_tokens(3000, 61)
+        answer, final = run(engine, "c1", history, max_tokens=16, session="c")  # 23 blocks, older
+        assert finished_normally(final)
+        run(engine, "d1", random_tokens(1800, 62), max_tokens=16, session="d")  # 14 blocks, newer
+        (idle,) = wait_quiet(engine)
+        assert idle["blocks_pinned"] == 37, idle
+        warm_prompt = history + answer + random_tokens(200, 63)  # 26 blocks: 34 free needed, 26 are
+        warm, final = run(engine, "c2", warm_prompt, max_tokens=16, session="c")
+        assert final.stats.cached_tokens_device == (len(history) + 15) // BLOCK * BLOCK, final.stats
+        assert_no_leaks(wait_quiet(engine))
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+    assert cold_answers(tmp_path, {"c2": warm_prompt}, 16)["c2"] == warm
+
+
 def admissions(engine: Any) -> set[str]:
     """Ids of the requests the engine has admitted (allocated and handed to DeepInfer)."""
     admitted: set[str] = set()

@@ -224,12 +224,26 @@ class RankCache:
             self.cache.release(request_id, [])
 
     # ---- eviction for the prefill watermark -----------------------------------------------------
-    def evict_for(self, free_blocks_needed: int) -> int:
+    def evict_for(self, free_blocks_needed: int, keep: list[BlockHash] | None = None) -> int:
         """Unpin least valuable GPU-tier blocks until the engine has free_blocks_needed free
-        blocks or nothing more can go. Evicted keys are demoted to the host tier when there is one."""
+        blocks or nothing more can go. Evicted keys are demoted to the host tier when there is one.
+        Blocks still held as the source of a hit's copy count as free: they are at the next step.
+        keep: the prefix the coming allocation will hit, evicted only when nothing else can go
+        (the allocation takes the whole prompt before the hit's copy gives those blocks back)."""
+        pool = self.cache.pool
+        spared = [pool.index[key] for key in keep or () if key in pool.index]
+        for slot in spared:
+            pool.pin(slot)  # out of the policy's reach for the first pass
+        try:
+            evicted = self._evict(free_blocks_needed)
+        finally:
+            pool.unref(spared, time.monotonic(), None, step=False)
+        return evicted + self._evict(free_blocks_needed)
+
+    def _evict(self, free_blocks_needed: int) -> int:
         evicted = 0
         pool, policy = self.cache.pool, self.cache.policy
-        while self.blocks.get_num_free_blocks() < free_blocks_needed and len(policy):
+        while self.blocks.get_num_free_blocks() + len(self.copy_sources) < free_blocks_needed and len(policy):
             now = time.monotonic()
             slot = policy.pop_victim(now)
             if slot is None:

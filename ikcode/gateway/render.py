@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
@@ -31,6 +32,7 @@ from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_
 from ikcode.gateway.content_text import assistant_text, call_names, system_message_text, user_items, user_text
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
+from ikcode.gateway.previous_render import PreviousRender, turn_reads
 from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -62,6 +64,10 @@ class RenderedPrompt:
     # which lets block hashing resume where an earlier prompt of the conversation ended.
     boundaries: list[tuple[bytes, int]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)  # callable tools, for the reply's parser
+    # Tokens copied from a previous render of the conversation (see previous_render), and that
+    # render's token list: both prompts hold the same first reused_tokens tokens.
+    reused_tokens: int = 0
+    reused_from: list[int] | None = None
 
 
 def system_text(system: str | list[Any] | None) -> str:
@@ -177,8 +183,16 @@ class Renderer:
 
     # -- rendering ----------------------------------------------------------------------------
     def render(
-        self, system: Any, tools: list[Any] | None, tool_choice: Any, messages: list[Any]
+        self,
+        system: Any,
+        tools: list[Any] | None,
+        tool_choice: Any,
+        messages: list[Any],
+        conversation: Hashable | None = None,
     ) -> RenderedPrompt:
+        """The prompt's token ids. `conversation` (a key under which the caller's earlier requests
+        of this conversation were rendered, salted per user) lets the leading turns that equal the
+        previous request's take its tokens instead of being digested again; None: no such reuse."""
         if not messages:
             raise invalid_request("messages: at least one message is required")
         ids: list[int] = list(self._start_ids)
@@ -207,11 +221,30 @@ class Renderer:
             ids.extend(seg)
             chain, fresh, count = _chain(chain, key), fresh + n, count + 1
             boundaries.append((chain, len(ids)))
+        head_chain, num_head_boundaries = chain, len(boundaries)
         turns = _merge_assistant_turns(messages)
         names = call_names(turns)
+        first, previous = 0, None
+        if conversation is not None:
+            first, previous = self._reusable(conversation, head_chain, turns, names, deferred)
+        reads: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
+        if previous is not None:
+            chain, end = previous.end_of_turns(first)
+            ids = previous.token_ids[:end]
+            boundaries = previous.boundaries[: num_head_boundaries + first]
+            reads = tuple(  # type: ignore[assignment]
+                [read for read in kept if read[0] < first]
+                for kept in (previous.tool_inputs, previous.result_names, previous.loaded_tools)
+            )
+            count += first
+        reused_tokens = len(ids) if previous is not None else 0
         prefill = False
-        for index, (role, content) in enumerate(turns):
+        for index in range(first, len(turns)):
+            role, content = turns[index]
             last = index == len(turns) - 1
+            if conversation is not None:
+                for kept, new in zip(reads, turn_reads(index, role, content, names, deferred), strict=True):
+                    kept.extend(new)
             if role == "assistant":
                 key = b"a" + assistant_content_key(content)
                 prefill = last
@@ -238,7 +271,47 @@ class Renderer:
                 boundaries.append((chain, len(ids)))
         if not prefill:
             ids.extend(self._gen_ids)
-        return RenderedPrompt(ids, None if prefill else chain, fresh, count, boundaries, specs)
+        if conversation is not None:
+            closed = len(turns) - prefill
+            self.store.put_render(
+                conversation,
+                PreviousRender(
+                    head_chain,
+                    num_head_boundaries,
+                    turns[:closed],
+                    ids,
+                    boundaries,
+                    *reads,
+                ),
+                replacing=previous,
+            )
+        reused_from = previous.token_ids if previous is not None else None
+        return RenderedPrompt(
+            ids, None if prefill else chain, fresh, count, boundaries, specs, reused_tokens, reused_from
+        )
+
+    def _reusable(
+        self,
+        conversation: Hashable,
+        head_chain: bytes,
+        turns: list[Any],
+        names: dict[str, str],
+        deferred: dict[str, Any],
+    ) -> tuple[int, PreviousRender | None]:
+        """The conversation's previous render that shares the most leading turns, and how many."""
+        best, best_turns = None, 0
+        for previous in reversed(self.store.previous_renders(conversation)):  # newest first
+            # Only one that also matches turn `best_turns` can do better: checked before a full pass.
+            if best is not None and not (
+                best_turns < len(previous.turns)
+                and best_turns < len(turns)
+                and turns[best_turns] == previous.turns[best_turns]
+            ):
+                continue
+            num_turns = previous.reusable_turns(head_chain, turns, names, deferred)
+            if num_turns > best_turns:
+                best, best_turns = previous, num_turns
+        return best_turns, best
 
     def remember_reply(self, rendered: RenderedPrompt, content: list[Any], generated_ids: list[int]) -> None:
         """Keep the reply's generated ids for when the client sends this turn back."""

@@ -51,7 +51,7 @@ def tool_round(index: int, tool_input: dict[str, Any], result: Any) -> list[dict
 
 def conversation(rounds: int) -> dict[str, Any]:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "fix the failing test"}]
-    messages += tool_round(0, {"command": "ls", "timeout": 1, "quiet": True}, "a.py\nb.py")
+    messages += tool_round(0, {"command": "ls", "timeout": 1, "quiet": True, "delay_s": 0.0}, "a.py\nb.py")
     search = {"type": "tool_use", "id": "toolu_find", "name": "ToolSearch", "input": {"query": "grep"}}
     loaded = [{"type": "tool_reference", "tool_name": "Grep"}]
     messages += [
@@ -133,7 +133,7 @@ EDITS = {
     "middle tool result": (6, None),
     "int to float in a tool input": (1, set_input("timeout", 1.0)),
     "bool to int in a tool input": (1, set_input("quiet", 1)),
-    "float spelled differently": (5, set_input("timeout", 2.50000001)),
+    "0.0 to -0.0 in a tool input": (1, set_input("delay_s", -0.0)),
     "tool input keys reordered": (1, reorder_input),
 }
 

@@ -4,9 +4,9 @@ the server calls.
 A Claude Code shaped conversation of ~450,000 tokens (default model's tokenizer) gets a new turn
 whose tail is ~2,000 tokens. Per request we time, in order, what the server runs before the
 engine's forward: the body's validation (`MessagesRequest.model_validate_json`, as FastAPI does),
-`messages._render_and_lookup` (session-prefix logging, render tokenizing only new segments, the
-conversation's incremental block hashes, the cache lookup when the prompt is under
-predict_usage_max_tokens) and the admission layer's lookup (`AdmissionController.lookup`, as its
+`messages._render_and_lookup` (render: the turns equal to the conversation's previous render
+take its tokens, new turns are tokenized; session-prefix logging; the conversation's incremental
+block hashes; the cache lookup when the prompt is under predict_usage_max_tokens) and the admission layer's lookup (`AdmissionController.lookup`, as its
 `submit` calls it, with the carried hashes), against a real Gateway (`create_app`) over a real
 EmbeddedEngine whose cache holds the previous turn. The engine's model is a one-layer stand-in: no
 forward runs here, and a 450K-token KV pool of the real model would not fit a laptop. Then what
@@ -139,7 +139,7 @@ def main() -> None:
         "total": [],
     }
     engine_hash_ms: dict[str, list[float]] = {"carried": [], "rehashed": []}
-    tail_tokens, prompt_tokens, hit_tokens = [], [], []
+    tail_tokens, prompt_tokens, hit_tokens, reused_tokens = [], [], [], []
     for i in range(args.iterations):
         assistant, user = tool_round(rng, 10_000 + i, tail_chars)
         request = dict(base, messages=base["messages"] + [{"role": "assistant", "content": assistant},
@@ -156,6 +156,7 @@ def main() -> None:
                             ("total", t3 - t0)):  # fmt: skip
             phases[name].append(value * 1000)
         tail_tokens.append(rendered.fresh_tokens)
+        reused_tokens.append(rendered.reused_tokens)
         prompt_tokens.append(len(rendered.token_ids))
         hit_tokens.append(match.device_tokens)
         # The engine thread at admission: the sequence's prompt hashes, carried or computed.
@@ -172,6 +173,7 @@ def main() -> None:
     report = {
         "prompt_tokens": statistics.median(prompt_tokens),
         "new_tail_tokens_tokenized": statistics.median(tail_tokens),
+        "tokens_from_previous_render": statistics.median(reused_tokens),
         "cached_tokens_found": statistics.median(hit_tokens),
         "request_bytes": len(raw),
         "iterations": args.iterations,

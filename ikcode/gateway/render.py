@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from hashlib import blake2b
@@ -265,6 +266,11 @@ class Renderer:
                     text = system_message_text(content)
                 key = _digest(role.encode() + b"\x00" + text.encode())
                 seg, n = self._segment(role, key, lambda t=text: t)
+            if role == "assistant":
+                # An assistant turn's tokens are the generated ids while the store remembers them,
+                # else its text's: the chain follows the tokens, so that equal digests keep
+                # meaning equal token prefixes (block hashing resumes from them).
+                key = b"t" + _digest(array("q", seg).tobytes())
             ids.extend(seg)
             chain, fresh, count = _chain(chain, key), fresh + n, count + 1
             if not (prefill and last):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 Turn = tuple[str, Any]  # (role, content) after consecutive assistant messages are merged
+# What the turns' rendering read besides their own content, in turn order (see turn_reads).
+TurnReads = tuple[list[tuple[int, int, Any]], list[tuple[int, str, str]], list[tuple[int, str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,13 @@ class PreviousRender:
                 break
         return num_turns
 
+    def reads_before(self, num_turns: int) -> TurnReads:
+        return (
+            [read for read in self.tool_inputs if read[0] < num_turns],
+            [read for read in self.result_names if read[0] < num_turns],
+            [read for read in self.loaded_tools if read[0] < num_turns],
+        )
+
     def end_of_turns(self, num_turns: int) -> tuple[bytes, int]:
         """(chain digest, token count) after the first num_turns turns (num_turns >= 1)."""
         return self.boundaries[self.num_head_boundaries + num_turns - 1]
@@ -81,7 +90,7 @@ class PreviousRender:
 
 def turn_reads(
     turn: int, role: str, content: Any, names: dict[str, str], deferred: dict[str, Any]
-) -> tuple[list[tuple[int, int, Any]], list[tuple[int, str, str]], list[tuple[int, str, Any]]]:
+) -> TurnReads:
     """What rendering this turn reads that == on its content does not pin down exactly: its tool
     inputs (JSON), the names printed beside its results, the deferred tools its results load."""
     if isinstance(content, str):

@@ -30,13 +30,20 @@ from hashlib import blake2b
 from typing import Any
 
 from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
-from ikcode.gateway.content_text import assistant_text, call_names, system_message_text, user_items, user_text
+from ikcode.gateway.content_text import (
+    assistant_text,
+    call_names,
+    merge_assistant_turns,
+    system_message_text,
+    system_text,
+    user_items,
+    user_text,
+)
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
-from ikcode.gateway.previous_render import PreviousRender, turn_reads
+from ikcode.gateway.previous_render import PreviousRender, TurnReads, turn_reads
 from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
-BILLING_HEADER = "x-anthropic-billing-header"
 _ROOT = b"\x00" * 16
 # Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
 # tool format adds its own markers.
@@ -71,19 +78,6 @@ class RenderedPrompt:
     reused_from: list[int] | None = None
 
 
-def system_text(system: str | list[Any] | None) -> str:
-    if system is None:
-        return ""
-    texts = [system] if isinstance(system, str) else [_get(b, "text") for b in system]
-    kept = []
-    for text in texts:
-        if BILLING_HEADER in text:
-            text = "\n".join(line for line in text.split("\n") if not line.startswith(BILLING_HEADER))
-        if text.strip():
-            kept.append(text)
-    return "\n\n".join(kept)
-
-
 def assistant_content_key(content: str | list[Any]) -> bytes:
     """Digest of an assistant turn as the client echoes it (ids, names, inputs, non-empty text)."""
     h = blake2b(digest_size=16)
@@ -104,6 +98,30 @@ def assistant_content_key(content: str | list[Any]) -> bytes:
             data = _get(block, "data")
             h.update(b"\x00r%d\x00" % len(data) + data.encode())
     return h.digest()
+
+
+@dataclass
+class _Prompt:
+    """A prompt being built: its ids, the chain digest so far and a boundary after each segment."""
+
+    ids: list[int]
+    chain: bytes = _ROOT
+    fresh: int = 0
+    boundaries: list[tuple[bytes, int]] = field(default_factory=list)
+
+    @classmethod
+    def copied(cls, previous: PreviousRender, num_turns: int, fresh: int) -> _Prompt:
+        """The previous render's prompt up to the end of its first num_turns turns (a copy)."""
+        chain, end = previous.end_of_turns(num_turns)
+        boundaries = previous.boundaries[: previous.num_head_boundaries + num_turns]
+        return cls(previous.token_ids[:end], chain, fresh, boundaries)
+
+    def add(self, key: bytes, segment: list[int], fresh: int, boundary: bool = True) -> None:
+        self.ids.extend(segment)
+        self.chain = _chain(self.chain, key)
+        self.fresh += fresh
+        if boundary:
+            self.boundaries.append((self.chain, len(self.ids)))
 
 
 class Renderer:
@@ -196,12 +214,53 @@ class Renderer:
         previous request's take its tokens instead of being digested again; None: no such reuse."""
         if not messages:
             raise invalid_request("messages: at least one message is required")
-        ids: list[int] = list(self._start_ids)
-        chain, fresh, count = _ROOT, 0, 0
-        boundaries: list[tuple[bytes, int]] = []
-        sys_text = system_text(system)
         deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
         specs = callable_tools(tools or [])  # all of them for the reply's parser: a loaded one may be called
+        prompt = self._render_head(system, specs, deferred, tool_choice)
+        head_chain, num_head_boundaries = prompt.chain, len(prompt.boundaries)
+        turns = merge_assistant_turns(messages)
+        names = call_names(turns)
+        first, previous = 0, None
+        if conversation is not None:
+            first, previous = self._reusable(conversation, head_chain, turns, names, deferred)
+        reads: TurnReads = ([], [], [])
+        if previous is not None:
+            prompt = _Prompt.copied(previous, first, fresh=prompt.fresh)
+            reads = previous.reads_before(first)
+        reused_tokens = len(prompt.ids) if previous is not None else 0
+        prefill = False
+        for index in range(first, len(turns)):
+            role, content = turns[index]
+            if conversation is not None:
+                for kept, new in zip(reads, turn_reads(index, role, content, names, deferred), strict=True):
+                    kept.extend(new)
+            prefill = role == "assistant" and index == len(turns) - 1
+            self._render_turn(prompt, role, content, names, deferred, prefill)
+        if not prefill:
+            prompt.ids.extend(self._gen_ids)
+        if conversation is not None:
+            closed = len(turns) - prefill
+            render = PreviousRender(
+                head_chain, num_head_boundaries, turns[:closed], prompt.ids, prompt.boundaries, *reads
+            )
+            self.store.put_render(conversation, render, replacing=previous)
+        return RenderedPrompt(
+            prompt.ids,
+            None if prefill else prompt.chain,
+            prompt.fresh,
+            num_head_boundaries + len(turns),
+            prompt.boundaries,
+            specs,
+            reused_tokens,
+            previous.token_ids if previous is not None else None,
+        )
+
+    def _render_head(
+        self, system: Any, specs: list[dict[str, Any]], deferred: dict[str, Any], tool_choice: Any
+    ) -> _Prompt:
+        """The start and the system segment (system prompt and the listed tools)."""
+        prompt = _Prompt(list(self._start_ids))
+        sys_text = system_text(system)
         listed = [spec for spec in specs if spec["function"]["name"] not in deferred]
         sys_prefix = self.format.prefix["system"]
         if listed:
@@ -212,89 +271,47 @@ class Renderer:
             sys_prefix = self.tool_format.system_prefix(sys_prefix)
         if sys_text and sys_prefix != self.format.prefix["system"]:
             key = _digest(b"system\x00" + sys_prefix.encode() + b"\x00" + sys_text.encode())
-            seg, n = self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
-            ids.extend(seg)
-            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
-            boundaries.append((chain, len(ids)))
+            prompt.add(
+                key, *self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
+            )
         elif sys_text:
             key = _digest(b"system\x00" + sys_text.encode())
-            seg, n = self._segment("system", key, lambda: sys_text)
-            ids.extend(seg)
-            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
-            boundaries.append((chain, len(ids)))
-        head_chain, num_head_boundaries = chain, len(boundaries)
-        turns = _merge_assistant_turns(messages)
-        names = call_names(turns)
-        first, previous = 0, None
-        if conversation is not None:
-            first, previous = self._reusable(conversation, head_chain, turns, names, deferred)
-        reads: tuple[list[Any], list[Any], list[Any]] = ([], [], [])
-        if previous is not None:
-            chain, end = previous.end_of_turns(first)
-            ids = previous.token_ids[:end]
-            boundaries = previous.boundaries[: num_head_boundaries + first]
-            reads = tuple(  # type: ignore[assignment]
-                [read for read in kept if read[0] < first]
-                for kept in (previous.tool_inputs, previous.result_names, previous.loaded_tools)
-            )
-            count += first
-        reused_tokens = len(ids) if previous is not None else 0
-        prefill = False
-        for index in range(first, len(turns)):
-            role, content = turns[index]
-            last = index == len(turns) - 1
-            if conversation is not None:
-                for kept, new in zip(reads, turn_reads(index, role, content, names, deferred), strict=True):
-                    kept.extend(new)
-            if role == "assistant":
-                key = b"a" + assistant_content_key(content)
-                prefill = last
-                reply = None if prefill else self.store.reply(chain, key[1:])
-                if reply is not None:
-                    seg, n = reply, 0
-                else:
-                    seg, n = self._segment(
-                        "assistant", key, lambda c=content: assistant_text(c, self.tool_format), not last
-                    )
-            elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
-                key = _digest(b"results\x00" + json.dumps(parts).encode())
-                seg, n = self._marked_segment(key, parts)
+            prompt.add(key, *self._segment("system", key, lambda: sys_text))
+        return prompt
+
+    def _render_turn(
+        self,
+        prompt: _Prompt,
+        role: str,
+        content: Any,
+        names: dict[str, str],
+        deferred: dict[str, Any],
+        prefill: bool,
+    ) -> None:
+        """Append one turn; a prefill (a final assistant turn) stays open and gets no boundary."""
+        if role == "assistant":
+            key = b"a" + assistant_content_key(content)
+            reply = None if prefill else self.store.reply(prompt.chain, key[1:])
+            if reply is not None:
+                seg, n = reply, 0
             else:
-                if role == "user":
-                    text = user_text(content, names, deferred, self.tool_format)
-                else:
-                    text = system_message_text(content)
-                key = _digest(role.encode() + b"\x00" + text.encode())
-                seg, n = self._segment(role, key, lambda t=text: t)
-            if role == "assistant":
-                # An assistant turn's tokens are the generated ids while the store remembers them,
-                # else its text's: the chain follows the tokens, so that equal digests keep
-                # meaning equal token prefixes (block hashing resumes from them).
-                key = b"t" + _digest(array("q", seg).tobytes())
-            ids.extend(seg)
-            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
-            if not (prefill and last):
-                boundaries.append((chain, len(ids)))
-        if not prefill:
-            ids.extend(self._gen_ids)
-        if conversation is not None:
-            closed = len(turns) - prefill
-            self.store.put_render(
-                conversation,
-                PreviousRender(
-                    head_chain,
-                    num_head_boundaries,
-                    turns[:closed],
-                    ids,
-                    boundaries,
-                    *reads,
-                ),
-                replacing=previous,
-            )
-        reused_from = previous.token_ids if previous is not None else None
-        return RenderedPrompt(
-            ids, None if prefill else chain, fresh, count, boundaries, specs, reused_tokens, reused_from
-        )
+                text_fn = lambda: assistant_text(content, self.tool_format)  # noqa: E731
+                seg, n = self._segment("assistant", key, text_fn, not prefill)
+            # An assistant turn's tokens are the generated ids while the store remembers them,
+            # else its text's: the chain follows the tokens, so that equal digests keep meaning
+            # equal token prefixes (block hashing resumes from them).
+            key = b"t" + _digest(array("q", seg).tobytes())
+        elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
+            key = _digest(b"results\x00" + json.dumps(parts).encode())
+            seg, n = self._marked_segment(key, parts)
+        else:
+            if role == "user":
+                text = user_text(content, names, deferred, self.tool_format)
+            else:
+                text = system_message_text(content)
+            key = _digest(role.encode() + b"\x00" + text.encode())
+            seg, n = self._segment(role, key, lambda: text)
+        prompt.add(key, seg, n, boundary=not prefill)
 
     def _reusable(
         self,
@@ -360,23 +377,3 @@ class Renderer:
             fresh += len(body_ids)
         self.store.put_segment(key, ids)
         return ids, fresh
-
-
-def _merge_assistant_turns(messages: list[Any]) -> list[tuple[str, Any]]:
-    """Consecutive assistant messages are one turn (clients split a reply's blocks)."""
-    turns: list[tuple[str, Any]] = []
-    for message in messages:
-        role, content = message.role, message.content
-        if role == "assistant" and turns and turns[-1][0] == "assistant":
-            previous = turns[-1][1]
-            as_list = lambda c: [_TextLike(c)] if isinstance(c, str) else list(c)  # noqa: E731
-            turns[-1] = ("assistant", as_list(previous) + as_list(content))
-        else:
-            turns.append((role, content))
-    return turns
-
-
-@dataclass
-class _TextLike:
-    text: str
-    type: str = "text"

@@ -4,14 +4,17 @@ the server calls.
 A Claude Code shaped conversation of ~450,000 tokens (default model's tokenizer) gets a new turn
 whose tail is ~2,000 tokens. Per request we time, in order, what the server runs before the
 engine's forward: the body's validation (`MessagesRequest.model_validate_json`, as FastAPI does),
-`messages._render_and_lookup` (render: the turns equal to the conversation's previous render
-take its tokens, new turns are tokenized; session-prefix logging; the conversation's incremental
-block hashes; the cache lookup when the prompt is under predict_usage_max_tokens) and the admission layer's lookup (`AdmissionController.lookup`, as its
-`submit` calls it, with the carried hashes), against a real Gateway (`create_app`) over a real
-EmbeddedEngine whose cache holds the previous turn. The engine's model is a one-layer stand-in: no
-forward runs here, and a 450K-token KV pool of the real model would not fit a laptop. Then what
-the engine thread does with the prompt's hashes at admission (`Sequence.block_hashes`), with the
-carried hashes and without. Reported next to tokenizing the whole conversation from scratch.
+`messages._render_and_lookup` (render: the turns equal to the conversation's previous render take
+its tokens, new turns are tokenized; session-prefix logging; the conversation's incremental block
+hashes; the cache lookup when the prompt is under predict_usage_max_tokens) and the admission
+layer's lookup (`AdmissionController.lookup`, as its `submit` calls it, with the carried hashes),
+against a real Gateway (`create_app`) over a real EmbeddedEngine whose cache holds the previous
+turn. The engine's model is a one-layer stand-in: no forward runs here, and a 450K-token KV pool
+of the real model would not fit a laptop. Interleaved with those warm turns, the same functions
+for a request whose conversation the gateway holds no previous render of (every message digested
+and looked up, as each warm turn was rendered before renders were reused). Then what the engine
+thread does with the prompt's hashes at admission (`Sequence.block_hashes`), with the carried
+hashes and without. Reported next to tokenizing the whole conversation from scratch.
 
     .venv/bin/python bench/gateway_overhead.py [--iterations 30] [--json out.json]
 """
@@ -138,6 +141,11 @@ def main() -> None:
         "admission_lookup": [],
         "total": [],
     }
+    # The same functions for a conversation the gateway holds no previous render of (a session id
+    # it has not seen: after an eviction or for a new client), so every message is digested and
+    # looked up in the segment store, as every warm turn was rendered before renders were reused.
+    # Interleaved with the warm turns, each with its own new tail, so both see the same load.
+    without_previous: list[float] = []
     engine_hash_ms: dict[str, list[float]] = {"carried": [], "rehashed": []}
     tail_tokens, prompt_tokens, hit_tokens, reused_tokens = [], [], [], []
     for i in range(args.iterations):
@@ -155,6 +163,16 @@ def main() -> None:
         for name, value in (("parse", t1 - t0), ("render_and_lookup", t2 - t1), ("admission_lookup", t3 - t2),
                             ("total", t3 - t0)):  # fmt: skip
             phases[name].append(value * 1000)
+        assistant, user = tool_round(rng, 20_000 + i, tail_chars)
+        other = dict(base, messages=base["messages"] + [{"role": "assistant", "content": assistant},
+                                                        {"role": "user", "content": user}])  # fmt: skip
+        other_raw = json.dumps(other).encode()
+        t5 = time.perf_counter()
+        other_body = parse(other_raw)
+        other_rendered, _, other_hashes = _render_and_lookup(gw, other_body, "", f"new-session-{i}", {})
+        controller.lookup(other_rendered.token_ids, "", other_hashes)
+        without_previous.append((time.perf_counter() - t5) * 1000)
+        assert other_rendered.reused_tokens == 0
         tail_tokens.append(rendered.fresh_tokens)
         reused_tokens.append(rendered.reused_tokens)
         prompt_tokens.append(len(rendered.token_ids))
@@ -181,6 +199,10 @@ def main() -> None:
             name: {"p50": round(statistics.median(v), 2), "p95": round(percentile(v, 0.95), 2)}
             for name, v in phases.items()
         },  # fmt: skip
+        "without_previous_render_total_ms": {
+            "p50": round(statistics.median(without_previous), 2),
+            "p95": round(percentile(without_previous, 0.95), 2),
+        },
         "cold_render_ms": round(cold_render_s * 1000, 1),
         "whole_text_encode_ms": round(whole_encode_s * 1000, 1),
         "whole_text_tokens": len(whole),
@@ -196,6 +218,9 @@ def main() -> None:
     print(f"\nwarm request overhead p50 {p50:.1f} ms, p95 {p95:.1f} ms; full re-tokenization "
           f"{whole_encode_s * 1000:.0f} ms (one encode) / {cold_render_s * 1000:.0f} ms (cold render): "
           f"{report['speedup_vs_whole_encode']}x / {report['speedup_vs_cold_render']}x")  # fmt: skip
+    without = report["without_previous_render_total_ms"]["p50"]
+    print(f"same request without the conversation's previous render (every message digested): "
+          f"p50 {without:.1f} ms ({without / p50:.1f}x the warm turn's)")  # fmt: skip
     carried, rehashed = (report["engine_thread_prompt_hash_ms"][k] for k in ("carried", "rehashed"))
     print(f"engine thread, prompt hashes at admission: {carried} ms with the carried hashes "
           f"({rehashed} ms hashing them there)")  # fmt: skip

@@ -226,3 +226,17 @@ def test_conversations_are_kept_apart_by_key(tokenizer):
     assert checked(renderer, parent, ("alice", "s2")).reused_tokens == 0
     checked(renderer, subagent, ("alice", "s1"))
     assert checked(renderer, conversation(5), ("alice", "s1")).reused_tokens > 0
+
+
+@pytest.mark.parametrize("edited_indices", [(2,), (62,), (64,), (66,), (128,), (140,), (10, 100)])
+def test_reuse_ends_exactly_at_the_first_edited_turn_of_a_long_conversation(tokenizer, edited_indices):
+    renderer = Renderer(tokenizer)
+    body = conversation(72)  # 148 messages: the turns are compared in several slices
+    checked(renderer, body)
+    edited = copy.deepcopy(body)
+    for message_index in edited_indices:
+        message = edited["messages"][message_index]
+        assert message["role"] == "user" and isinstance(message["content"], list)
+        message["content"][0]["content"] = "(edited)"
+    rendered = checked(renderer, edited)
+    assert rendered.reused_tokens == turn_start(renderer, edited, edited_indices[0])

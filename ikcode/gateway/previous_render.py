@@ -19,6 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# Turns compared per slice: a turn that differs near the end (a retried or edited last message)
+# costs one pass plus a bisection over this many turns, not a bisection over the conversation.
+_CHUNK_TURNS = 64
 Turn = tuple[str, Any]  # (role, content) after consecutive assistant messages are merged
 # What the turns' rendering read besides their own content, in turn order (see turn_reads).
 TurnReads = tuple[list[tuple[int, int, Any]], list[tuple[int, str, str]], list[tuple[int, str, Any]]]
@@ -44,18 +47,20 @@ class PreviousRender:
             return 0
         # A final assistant turn is a prefill, rendered open: it cannot take a closed turn's tokens.
         limit = min(len(self.turns), len(turns) - (turns[-1][0] == "assistant"))
-        # The turns compare as lists (one pass in C: each message's __eq__ compares its strings
-        # with memcmp); only when they part, bisect for where.
-        if turns[:limit] == self.turns[:limit]:
-            num_turns = limit
-        else:
-            num_turns, hi = 0, limit  # turns[:num_turns] equal, turns[:hi] not
-            while hi - num_turns > 1:
-                mid = (num_turns + hi) // 2
-                if turns[num_turns:mid] == self.turns[num_turns:mid]:
-                    num_turns = mid
-                else:
-                    hi = mid
+        # The turns compare as lists, a chunk at a time (each message's __eq__ compares its
+        # strings with memcmp); inside the first chunk that differs, bisect for the turn.
+        num_turns = limit
+        for start in range(0, limit, _CHUNK_TURNS):
+            end = min(start + _CHUNK_TURNS, limit)
+            if turns[start:end] != self.turns[start:end]:
+                num_turns, hi = start, end  # turns[:num_turns] equal, turns[:hi] not
+                while hi - num_turns > 1:
+                    mid = (num_turns + hi) // 2
+                    if turns[num_turns:mid] == self.turns[num_turns:mid]:
+                        num_turns = mid
+                    else:
+                        hi = mid
+                break
         for turn, block, tool_input in self.tool_inputs:
             if turn >= num_turns:
                 break

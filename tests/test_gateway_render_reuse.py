@@ -135,6 +135,7 @@ EDITS = {
     "bool to int in a tool input": (1, set_input("quiet", 1)),
     "0.0 to -0.0 in a tool input": (1, set_input("delay_s", -0.0)),
     "tool input keys reordered": (1, reorder_input),
+    "a block added to a turn": (2, lambda content: content.append({"type": "text", "text": "also this"})),
 }
 
 

@@ -41,7 +41,7 @@ from ikcode.gateway.content_text import (
 )
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
-from ikcode.gateway.previous_render import PreviousRender, TurnReads, turn_reads
+from ikcode.gateway.previous_render import PreviousRender, TurnReads, same_turn, turn_reads
 from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
 _ROOT = b"\x00" * 16
@@ -328,7 +328,7 @@ class Renderer:
             if best is not None and not (
                 best_turns < len(previous.turns)
                 and best_turns < len(turns)
-                and turns[best_turns] == previous.turns[best_turns]
+                and same_turn(turns[best_turns], previous.turns[best_turns])
             ):
                 continue
             num_turns = previous.reusable_turns(head_chain, turns, names, deferred)

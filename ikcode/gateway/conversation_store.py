@@ -9,7 +9,10 @@
 - Previous renders, keyed by conversation (the caller salts the key per user): the last few
   prompts of each conversation with the turns they came from, so that a warm turn compares its
   messages with them instead of digesting each one (see previous_render). A few per key, because
-  one session can interleave conversations (a subagent beside its parent).
+  one session can interleave conversations (a subagent beside its parent). Bounded like the
+  session prefixes (4M tokens), whose prompt lists they mostly share: what they hold beyond those
+  (each request's parsed messages) is walked by every full garbage collection, which showed as a
+  ~40 ms p95 in bench/gateway_overhead.py with 8M tokens of renders held.
 
 All are bounded LRU maps (by tokens held); thread-safe because rendering runs on worker threads.
 """
@@ -61,7 +64,7 @@ class ConversationStore:
         self,
         max_segment_tokens: int = 8_000_000,
         max_reply_tokens: int = 2_000_000,
-        max_render_tokens: int = 8_000_000,
+        max_render_tokens: int = 4_000_000,
         max_renders_per_conversation: int = 4,
     ):
         self._lock = threading.Lock()

@@ -4,14 +4,17 @@ the server calls.
 A Claude Code shaped conversation of ~450,000 tokens (default model's tokenizer) gets a new turn
 whose tail is ~2,000 tokens. Per request we time, in order, what the server runs before the
 engine's forward: the body's validation (`MessagesRequest.model_validate_json`, as FastAPI does),
-`messages._render_and_lookup` (session-prefix logging, render tokenizing only new segments, the
-conversation's incremental block hashes, the cache lookup when the prompt is under
-predict_usage_max_tokens) and the admission layer's lookup (`AdmissionController.lookup`, as its
-`submit` calls it, with the carried hashes), against a real Gateway (`create_app`) over a real
-EmbeddedEngine whose cache holds the previous turn. The engine's model is a one-layer stand-in: no
-forward runs here, and a 450K-token KV pool of the real model would not fit a laptop. Then what
-the engine thread does with the prompt's hashes at admission (`Sequence.block_hashes`), with the
-carried hashes and without. Reported next to tokenizing the whole conversation from scratch.
+`messages._render_and_lookup` (render: the turns equal to the conversation's previous render take
+its tokens, new turns are tokenized; session-prefix logging; the conversation's incremental block
+hashes; the cache lookup when the prompt is under predict_usage_max_tokens) and the admission
+layer's lookup (`AdmissionController.lookup`, as its `submit` calls it, with the carried hashes),
+against a real Gateway (`create_app`) over a real EmbeddedEngine whose cache holds the previous
+turn. The engine's model is a one-layer stand-in: no forward runs here, and a 450K-token KV pool
+of the real model would not fit a laptop. Interleaved with those warm turns, the same functions
+for a request whose conversation the gateway holds no previous render of (every message digested
+and looked up, as each warm turn was rendered before renders were reused). Then what the engine
+thread does with the prompt's hashes at admission (`Sequence.block_hashes`), with the carried
+hashes and without. Reported next to tokenizing the whole conversation from scratch.
 
     .venv/bin/python bench/gateway_overhead.py [--iterations 30] [--json out.json]
 """
@@ -138,24 +141,44 @@ def main() -> None:
         "admission_lookup": [],
         "total": [],
     }
+    # The same functions for a conversation the gateway holds no previous render of (a session id
+    # it has not seen: after an eviction or for a new client), so every message is digested and
+    # looked up in the segment store, as every warm turn was rendered before renders were reused.
+    # Interleaved with the warm turns, each with its own new tail, so both see the same load.
+    without_previous: list[float] = []
+    # CPU time of the warm turn's total: on a shared machine the wall time also counts the time
+    # the process waited for a core, which this does not.
+    cpu_ms: list[float] = []
     engine_hash_ms: dict[str, list[float]] = {"carried": [], "rehashed": []}
-    tail_tokens, prompt_tokens, hit_tokens = [], [], []
+    tail_tokens, prompt_tokens, hit_tokens, reused_tokens = [], [], [], []
     for i in range(args.iterations):
         assistant, user = tool_round(rng, 10_000 + i, tail_chars)
         request = dict(base, messages=base["messages"] + [{"role": "assistant", "content": assistant},
                                                           {"role": "user", "content": user}])  # fmt: skip
         raw = json.dumps(request).encode()
-        t0 = time.perf_counter()
+        cpu0, t0 = time.process_time(), time.perf_counter()
         body = parse(raw)
         t1 = time.perf_counter()
         rendered, _, hashes = _render_and_lookup(gw, body, "", "session", {})
         t2 = time.perf_counter()
         match = controller.lookup(rendered.token_ids, "", hashes)
         t3 = time.perf_counter()
+        cpu_ms.append((time.process_time() - cpu0) * 1000)
         for name, value in (("parse", t1 - t0), ("render_and_lookup", t2 - t1), ("admission_lookup", t3 - t2),
                             ("total", t3 - t0)):  # fmt: skip
             phases[name].append(value * 1000)
+        assistant, user = tool_round(rng, 20_000 + i, tail_chars)
+        other = dict(base, messages=base["messages"] + [{"role": "assistant", "content": assistant},
+                                                        {"role": "user", "content": user}])  # fmt: skip
+        other_raw = json.dumps(other).encode()
+        t5 = time.perf_counter()
+        other_body = parse(other_raw)
+        other_rendered, _, other_hashes = _render_and_lookup(gw, other_body, "", f"new-session-{i}", {})
+        controller.lookup(other_rendered.token_ids, "", other_hashes)
+        without_previous.append((time.perf_counter() - t5) * 1000)
+        assert other_rendered.reused_tokens == 0
         tail_tokens.append(rendered.fresh_tokens)
+        reused_tokens.append(rendered.reused_tokens)
         prompt_tokens.append(len(rendered.token_ids))
         hit_tokens.append(match.device_tokens)
         # The engine thread at admission: the sequence's prompt hashes, carried or computed.
@@ -172,6 +195,7 @@ def main() -> None:
     report = {
         "prompt_tokens": statistics.median(prompt_tokens),
         "new_tail_tokens_tokenized": statistics.median(tail_tokens),
+        "tokens_from_previous_render": statistics.median(reused_tokens),
         "cached_tokens_found": statistics.median(hit_tokens),
         "request_bytes": len(raw),
         "iterations": args.iterations,
@@ -179,6 +203,14 @@ def main() -> None:
             name: {"p50": round(statistics.median(v), 2), "p95": round(percentile(v, 0.95), 2)}
             for name, v in phases.items()
         },  # fmt: skip
+        "warm_total_cpu_ms": {
+            "p50": round(statistics.median(cpu_ms), 2),
+            "p95": round(percentile(cpu_ms, 0.95), 2),
+        },
+        "without_previous_render_total_ms": {
+            "p50": round(statistics.median(without_previous), 2),
+            "p95": round(percentile(without_previous, 0.95), 2),
+        },
         "cold_render_ms": round(cold_render_s * 1000, 1),
         "whole_text_encode_ms": round(whole_encode_s * 1000, 1),
         "whole_text_tokens": len(whole),
@@ -194,6 +226,11 @@ def main() -> None:
     print(f"\nwarm request overhead p50 {p50:.1f} ms, p95 {p95:.1f} ms; full re-tokenization "
           f"{whole_encode_s * 1000:.0f} ms (one encode) / {cold_render_s * 1000:.0f} ms (cold render): "
           f"{report['speedup_vs_whole_encode']}x / {report['speedup_vs_cold_render']}x")  # fmt: skip
+    cpu = report["warm_total_cpu_ms"]
+    print(f"warm request overhead in CPU time: p50 {cpu['p50']:.1f} ms, p95 {cpu['p95']:.1f} ms")
+    without = report["without_previous_render_total_ms"]["p50"]
+    print(f"same request without the conversation's previous render (every message digested): "
+          f"p50 {without:.1f} ms ({without / p50:.1f}x the warm turn's)")  # fmt: skip
     carried, rehashed = (report["engine_thread_prompt_hash_ms"][k] for k in ("carried", "rehashed"))
     print(f"engine thread, prompt hashes at admission: {carried} ms with the carried hashes "
           f"({rehashed} ms hashing them there)")  # fmt: skip

@@ -217,3 +217,27 @@ def test_incremental_block_hashes_equal_full_hashing(tokenizer, salt):
     second = render(renderer, {"system": "sys", "messages": messages})
     assert hasher.hashes(second, salt) == hash_blocks(second.token_ids, 4, salt)
     assert hasher.resumed_blocks == first.boundaries[-1][1] // 4  # up to the end of the last message
+
+
+def test_block_hashes_resume_only_where_the_tokens_are_the_same(tokenizer):
+    """An assistant turn renders as the generated ids while the store remembers them, else from
+    its text (other ids, here another length): the chain digest must tell the two apart, or the
+    hasher would resume with the other rendering's block hashes (and the cache serve its KV)."""
+    from ikcode.cache import hash_blocks
+    from ikcode.gateway.block_hashes import IncrementalBlockHasher
+
+    hasher = IncrementalBlockHasher(block_size=4)
+    first_messages = [{"role": "user", "content": "hello there"}]
+    remembering = Renderer(tokenizer)
+    first = render(remembering, {"system": "sys", "messages": first_messages})
+    generated = [tokenizer.token_to_id(c) for c in "hello"] + [tokenizer.token_to_id("<|im_end|>")]
+    remembering.remember_reply(first, [{"type": "text", "text": "hello"}], generated)
+    messages = first_messages + [
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and then, what happened next?"},
+    ]
+    with_reply = render(remembering, {"system": "sys", "messages": messages})
+    from_text = render(Renderer(tokenizer), {"system": "sys", "messages": messages})  # reply not known
+    assert with_reply.token_ids != from_text.token_ids
+    assert hasher.hashes(with_reply) == hash_blocks(with_reply.token_ids, 4)
+    assert hasher.hashes(from_text) == hash_blocks(from_text.token_ids, 4)

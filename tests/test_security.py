@@ -182,3 +182,29 @@ def test_a_profile_salts_by_default_once_a_second_token_exists(tmp_path):
     shared.write_text(text.replace("salt_per_user = false", 'salt_per_user = "no"'))
     with pytest.raises(daemon.DaemonError, match="salt_per_user must be true or false"):
         gateway_settings(load_profile(str(shared)), "127.0.0.1", 8192)
+
+
+def test_a_previous_render_serves_only_its_own_user(server):
+    """A warm turn reuses the conversation's previous render (request log: render_reused_tokens),
+    but Bob sending Alice's conversation under her session id renders it from scratch."""
+    first = [{"role": "user", "content": "Alice's plan: " + "rotate the keys " * 30}]
+    second = first + [
+        {"role": "assistant", "content": "noted"},
+        {"role": "user", "content": "and then?"},
+    ]
+
+    def send(user: str, messages: list[dict]) -> dict:
+        reply = client(server, user).messages.create(
+            model=MODEL,
+            max_tokens=1,
+            messages=messages,
+            extra_headers={"x-claude-code-session-id": "one-session-id"},
+        )
+        wait_idle(server[1])
+        lines = server[2].read_text().splitlines()
+        return next(r for r in map(json.loads, reversed(lines)) if r["request_id"] == reply.id)
+
+    assert send("alice", first)["render_reused_tokens"] == 0
+    assert send("alice", second)["render_reused_tokens"] > 0
+    assert send("bob", second)["render_reused_tokens"] == 0
+    assert send("bob", second)["render_reused_tokens"] > 0  # his own repeat does reuse

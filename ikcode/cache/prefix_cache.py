@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice, takewhile
 
 from .block_pool import BlockPool
 from .ghost import GhostList
@@ -73,16 +74,14 @@ class PrefixCache:
 
     # ---- lookup ------------------------------------------------------------------------------
     def match(self, hashes: list[BlockHash]) -> Match:
-        """Longest cached prefix of hashes, device part then host part. No side effects."""
-        d = 0
-        index = self.pool.index
-        while d < len(hashes) and hashes[d] in index:
-            d += 1
+        """Longest cached prefix of hashes, device part then host part. No side effects.
+
+        The scans run in C (takewhile over the index's __contains__): a 450K-token prompt has
+        28K blocks, and a Python loop over them cost ~3 ms per lookup."""
+        d = len(list(takewhile(self.pool.index.__contains__, hashes)))
         h = 0
         if self.num_host_blocks:
-            host_index = self.host.index
-            while d + h < len(hashes) and hashes[d + h] in host_index:
-                h += 1
+            h = len(list(takewhile(self.host.index.__contains__, islice(hashes, d, None))))
         return Match(device_blocks=d, host_blocks=h)
 
     def num_free_blocks(self) -> int:

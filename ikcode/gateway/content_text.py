@@ -10,12 +10,14 @@ becomes a placeholder line (refusing it would wedge the client's session). A too
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from ikcode.gateway.errors import invalid_request
 from ikcode.gateway.tool_formats import CallItem, ResultItem, ToolFormat
 
 IMAGE_PLACEHOLDER = "[image omitted: the served model reads text only]"
+BILLING_HEADER = "x-anthropic-billing-header"
 
 
 def user_items(content: list[Any], names: dict[str, str], deferred: dict[str, Any]) -> list[tuple[str, Any]]:
@@ -63,6 +65,23 @@ def result_text(content: str | list[Any] | None, deferred: dict[str, Any]) -> st
         else:
             parts.append(document_text(block))
     return "\n".join(parts)
+
+
+def system_text(system: str | list[Any] | None) -> str:
+    if system is None:
+        return ""
+    texts = (
+        [system]
+        if isinstance(system, str)
+        else [block["text"] if isinstance(block, dict) else block.text for block in system]
+    )
+    kept = []
+    for text in texts:
+        if BILLING_HEADER in text:
+            text = "\n".join(line for line in text.split("\n") if not line.startswith(BILLING_HEADER))
+        if text.strip():
+            kept.append(text)
+    return "\n\n".join(kept)
 
 
 def system_message_text(content: str | list[Any]) -> str:
@@ -129,3 +148,23 @@ def call_names(turns: list[tuple[str, Any]]) -> dict[str, str]:
         for block in content
         if getattr(block, "type", None) in ("tool_use", "server_tool_use")
     }
+
+
+def merge_assistant_turns(messages: list[Any]) -> list[tuple[str, Any]]:
+    """Consecutive assistant messages are one turn (clients split a reply's blocks)."""
+    turns: list[tuple[str, Any]] = []
+    for message in messages:
+        role, content = message.role, message.content
+        if role == "assistant" and turns and turns[-1][0] == "assistant":
+            previous = turns[-1][1]
+            as_list = lambda c: [_TextLike(c)] if isinstance(c, str) else list(c)  # noqa: E731
+            turns[-1] = ("assistant", as_list(previous) + as_list(content))
+        else:
+            turns.append((role, content))
+    return turns
+
+
+@dataclass
+class _TextLike:
+    text: str
+    type: str = "text"

@@ -6,15 +6,24 @@
   content as the client echoes it back): the exact ids the model generated are reused, so the
   next request starts with exactly the tokens the engine already holds. Re-tokenizing the text
   of a reply (or the JSON of a tool call) would often give other ids and break the prefix there.
+- Previous renders, keyed by conversation (the caller salts the key per user): the last few
+  prompts of each conversation with the turns they came from, so that a warm turn compares its
+  messages with them instead of digesting each one (see previous_render). A few per key, because
+  one session can interleave conversations (a subagent beside its parent). Bounded like the
+  session prefixes (4M tokens), whose prompt lists they mostly share: what they hold beyond those
+  (each request's parsed messages) is walked by every full garbage collection, which showed as a
+  ~40 ms p95 in bench/gateway_overhead.py with 8M tokens of renders held.
 
-Both are bounded LRU maps (by tokens held) shared by all conversations; thread-safe because
-rendering runs on worker threads.
+All are bounded LRU maps (by tokens held); thread-safe because rendering runs on worker threads.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Hashable
+
+from ikcode.gateway.previous_render import PreviousRender
 
 Key = bytes | tuple[bytes, bytes]
 
@@ -51,10 +60,20 @@ class _TokenLRU:
 
 
 class ConversationStore:
-    def __init__(self, max_segment_tokens: int = 8_000_000, max_reply_tokens: int = 2_000_000):
+    def __init__(
+        self,
+        max_segment_tokens: int = 8_000_000,
+        max_reply_tokens: int = 2_000_000,
+        max_render_tokens: int = 4_000_000,
+        max_renders_per_conversation: int = 4,
+    ):
         self._lock = threading.Lock()
         self._segments = _TokenLRU(max_segment_tokens)
         self._replies = _TokenLRU(max_reply_tokens)
+        self.max_render_tokens = max_render_tokens
+        self.max_renders_per_conversation = max_renders_per_conversation
+        self._renders: OrderedDict[Hashable, list[PreviousRender]] = OrderedDict()
+        self._render_tokens = 0
 
     def segment(self, key: bytes) -> list[int] | None:
         with self._lock:
@@ -71,6 +90,31 @@ class ConversationStore:
     def put_reply(self, prefix_key: bytes, content_key: bytes, ids: list[int]) -> None:
         with self._lock:
             self._replies.put((prefix_key, content_key), ids)
+
+    def previous_renders(self, conversation: Hashable) -> list[PreviousRender]:
+        with self._lock:
+            renders = self._renders.get(conversation)
+            if renders is None:
+                return []
+            self._renders.move_to_end(conversation)
+            return list(renders)
+
+    def put_render(
+        self, conversation: Hashable, render: PreviousRender, replacing: PreviousRender | None = None
+    ) -> None:
+        """Keep `render` as the newest of the conversation's, in place of the one it continued."""
+        with self._lock:
+            renders = self._renders.pop(conversation, [])
+            kept = [r for r in renders if r is not replacing]
+            dropped = [r for r in renders if r is replacing]
+            while len(kept) >= self.max_renders_per_conversation:
+                dropped.append(kept.pop(0))
+            kept.append(render)
+            self._renders[conversation] = kept
+            self._render_tokens += len(render.token_ids) - sum(len(r.token_ids) for r in dropped)
+            while self._render_tokens > self.max_render_tokens and len(self._renders) > 1:
+                _, evicted = self._renders.popitem(last=False)
+                self._render_tokens -= sum(len(r.token_ids) for r in evicted)
 
     def stats(self) -> dict[str, int]:
         with self._lock:

@@ -93,8 +93,10 @@ def check_draining(gw: Gateway) -> None:
         raise APIError(529, "the server is shutting down; retry shortly", retry_after_s=5)
 
 
-def _render(gw: Gateway, body: MessagesRequest | CountTokensRequest) -> RenderedPrompt:
-    return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages)
+def _render(
+    gw: Gateway, body: MessagesRequest | CountTokensRequest, conversation: tuple[str, str] | None = None
+) -> RenderedPrompt:
+    return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages, conversation)
 
 
 def _log_shared_prefix(
@@ -105,7 +107,10 @@ def _log_shared_prefix(
     record: dict[str, Any],
 ) -> None:
     """How much of this prompt repeats the session's previous one (for the silent-miss check)."""
-    shared = gw.sessions.observe(session_id, rendered.token_ids, [end for _, end in rendered.boundaries])
+    copied = (rendered.reused_from, rendered.reused_tokens) if rendered.reused_from is not None else None
+    shared = gw.sessions.observe(
+        session_id, rendered.token_ids, [end for _, end in rendered.boundaries], copied
+    )
     if shared is None:
         return
     record["prefix_shared_tokens"] = shared.shared_tokens
@@ -125,8 +130,11 @@ def _render_and_lookup(
     """Render, hash (incrementally: only the blocks the conversation's previous turn did not
     have) and look the prompt up in the cache. The hashes travel with the request to the
     admission layer and the engine, so nothing hashes the prompt again."""
-    rendered = _render(gw, body)
+    # The conversation's previous render is reused per user (salt) and session: requests without
+    # a session id share one such key per user.
+    rendered = _render(gw, body, (salt, session_id or ""))
     if record is not None:
+        record["render_reused_tokens"] = rendered.reused_tokens
         _log_shared_prefix(gw, body, session_id, rendered, record)
     n = len(rendered.token_ids)
     if n >= gw.context_window:

@@ -23,17 +23,27 @@ from __future__ import annotations
 
 import json
 import re
+from array import array
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from typing import Any
 
 from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
-from ikcode.gateway.content_text import assistant_text, call_names, system_message_text, user_items, user_text
+from ikcode.gateway.content_text import (
+    assistant_text,
+    call_names,
+    merge_assistant_turns,
+    system_message_text,
+    system_text,
+    user_items,
+    user_text,
+)
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
+from ikcode.gateway.previous_render import PreviousRender, TurnReads, same_turn, turn_reads
 from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
-BILLING_HEADER = "x-anthropic-billing-header"
 _ROOT = b"\x00" * 16
 # Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
 # tool format adds its own markers.
@@ -62,19 +72,10 @@ class RenderedPrompt:
     # which lets block hashing resume where an earlier prompt of the conversation ended.
     boundaries: list[tuple[bytes, int]] = field(default_factory=list)
     tools: list[dict[str, Any]] = field(default_factory=list)  # callable tools, for the reply's parser
-
-
-def system_text(system: str | list[Any] | None) -> str:
-    if system is None:
-        return ""
-    texts = [system] if isinstance(system, str) else [_get(b, "text") for b in system]
-    kept = []
-    for text in texts:
-        if BILLING_HEADER in text:
-            text = "\n".join(line for line in text.split("\n") if not line.startswith(BILLING_HEADER))
-        if text.strip():
-            kept.append(text)
-    return "\n\n".join(kept)
+    # Tokens copied from a previous render of the conversation (see previous_render), and that
+    # render's token list: both prompts hold the same first reused_tokens tokens.
+    reused_tokens: int = 0
+    reused_from: list[int] | None = None
 
 
 def assistant_content_key(content: str | list[Any]) -> bytes:
@@ -97,6 +98,30 @@ def assistant_content_key(content: str | list[Any]) -> bytes:
             data = _get(block, "data")
             h.update(b"\x00r%d\x00" % len(data) + data.encode())
     return h.digest()
+
+
+@dataclass
+class _Prompt:
+    """A prompt being built: its ids, the chain digest so far and a boundary after each segment."""
+
+    ids: list[int]
+    chain: bytes = _ROOT
+    fresh: int = 0
+    boundaries: list[tuple[bytes, int]] = field(default_factory=list)
+
+    @classmethod
+    def copied(cls, previous: PreviousRender, num_turns: int, fresh: int) -> _Prompt:
+        """The previous render's prompt up to the end of its first num_turns turns (a copy)."""
+        chain, end = previous.end_of_turns(num_turns)
+        boundaries = previous.boundaries[: previous.num_head_boundaries + num_turns]
+        return cls(previous.token_ids[:end], chain, fresh, boundaries)
+
+    def add(self, key: bytes, segment: list[int], fresh: int, boundary: bool = True) -> None:
+        self.ids.extend(segment)
+        self.chain = _chain(self.chain, key)
+        self.fresh += fresh
+        if boundary:
+            self.boundaries.append((self.chain, len(self.ids)))
 
 
 class Renderer:
@@ -177,16 +202,65 @@ class Renderer:
 
     # -- rendering ----------------------------------------------------------------------------
     def render(
-        self, system: Any, tools: list[Any] | None, tool_choice: Any, messages: list[Any]
+        self,
+        system: Any,
+        tools: list[Any] | None,
+        tool_choice: Any,
+        messages: list[Any],
+        conversation: Hashable | None = None,
     ) -> RenderedPrompt:
+        """The prompt's token ids. `conversation` (a key under which the caller's earlier requests
+        of this conversation were rendered, salted per user) lets the leading turns that equal the
+        previous request's take its tokens instead of being digested again; None: no such reuse."""
         if not messages:
             raise invalid_request("messages: at least one message is required")
-        ids: list[int] = list(self._start_ids)
-        chain, fresh, count = _ROOT, 0, 0
-        boundaries: list[tuple[bytes, int]] = []
-        sys_text = system_text(system)
         deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
         specs = callable_tools(tools or [])  # all of them for the reply's parser: a loaded one may be called
+        prompt = self._render_head(system, specs, deferred, tool_choice)
+        head_chain, num_head_boundaries = prompt.chain, len(prompt.boundaries)
+        turns = merge_assistant_turns(messages)
+        names = call_names(turns)
+        first, previous = 0, None
+        if conversation is not None:
+            first, previous = self._reusable(conversation, head_chain, turns, names, deferred)
+        reads: TurnReads = ([], [], [])
+        if previous is not None:
+            prompt = _Prompt.copied(previous, first, fresh=prompt.fresh)
+            reads = previous.reads_before(first)
+        reused_tokens = len(prompt.ids) if previous is not None else 0
+        prefill = False
+        for index in range(first, len(turns)):
+            role, content = turns[index]
+            if conversation is not None:
+                for kept, new in zip(reads, turn_reads(index, role, content, names, deferred), strict=True):
+                    kept.extend(new)
+            prefill = role == "assistant" and index == len(turns) - 1
+            self._render_turn(prompt, role, content, names, deferred, prefill)
+        if not prefill:
+            prompt.ids.extend(self._gen_ids)
+        if conversation is not None:
+            closed = len(turns) - prefill
+            render = PreviousRender(
+                head_chain, num_head_boundaries, turns[:closed], prompt.ids, prompt.boundaries, *reads
+            )
+            self.store.put_render(conversation, render, replacing=previous)
+        return RenderedPrompt(
+            prompt.ids,
+            None if prefill else prompt.chain,
+            prompt.fresh,
+            num_head_boundaries + len(turns),
+            prompt.boundaries,
+            specs,
+            reused_tokens,
+            previous.token_ids if previous is not None else None,
+        )
+
+    def _render_head(
+        self, system: Any, specs: list[dict[str, Any]], deferred: dict[str, Any], tool_choice: Any
+    ) -> _Prompt:
+        """The start and the system segment (system prompt and the listed tools)."""
+        prompt = _Prompt(list(self._start_ids))
+        sys_text = system_text(system)
         listed = [spec for spec in specs if spec["function"]["name"] not in deferred]
         sys_prefix = self.format.prefix["system"]
         if listed:
@@ -197,48 +271,70 @@ class Renderer:
             sys_prefix = self.tool_format.system_prefix(sys_prefix)
         if sys_text and sys_prefix != self.format.prefix["system"]:
             key = _digest(b"system\x00" + sys_prefix.encode() + b"\x00" + sys_text.encode())
-            seg, n = self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
-            ids.extend(seg)
-            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
-            boundaries.append((chain, len(ids)))
+            prompt.add(
+                key, *self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
+            )
         elif sys_text:
             key = _digest(b"system\x00" + sys_text.encode())
-            seg, n = self._segment("system", key, lambda: sys_text)
-            ids.extend(seg)
-            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
-            boundaries.append((chain, len(ids)))
-        turns = _merge_assistant_turns(messages)
-        names = call_names(turns)
-        prefill = False
-        for index, (role, content) in enumerate(turns):
-            last = index == len(turns) - 1
-            if role == "assistant":
-                key = b"a" + assistant_content_key(content)
-                prefill = last
-                reply = None if prefill else self.store.reply(chain, key[1:])
-                if reply is not None:
-                    seg, n = reply, 0
-                else:
-                    seg, n = self._segment(
-                        "assistant", key, lambda c=content: assistant_text(c, self.tool_format), not last
-                    )
-            elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
-                key = _digest(b"results\x00" + json.dumps(parts).encode())
-                seg, n = self._marked_segment(key, parts)
+            prompt.add(key, *self._segment("system", key, lambda: sys_text))
+        return prompt
+
+    def _render_turn(
+        self,
+        prompt: _Prompt,
+        role: str,
+        content: Any,
+        names: dict[str, str],
+        deferred: dict[str, Any],
+        prefill: bool,
+    ) -> None:
+        """Append one turn; a prefill (a final assistant turn) stays open and gets no boundary."""
+        if role == "assistant":
+            key = b"a" + assistant_content_key(content)
+            reply = None if prefill else self.store.reply(prompt.chain, key[1:])
+            if reply is not None:
+                seg, n = reply, 0
             else:
-                if role == "user":
-                    text = user_text(content, names, deferred, self.tool_format)
-                else:
-                    text = system_message_text(content)
-                key = _digest(role.encode() + b"\x00" + text.encode())
-                seg, n = self._segment(role, key, lambda t=text: t)
-            ids.extend(seg)
-            chain, fresh, count = _chain(chain, key), fresh + n, count + 1
-            if not (prefill and last):
-                boundaries.append((chain, len(ids)))
-        if not prefill:
-            ids.extend(self._gen_ids)
-        return RenderedPrompt(ids, None if prefill else chain, fresh, count, boundaries, specs)
+                text_fn = lambda: assistant_text(content, self.tool_format)  # noqa: E731
+                seg, n = self._segment("assistant", key, text_fn, not prefill)
+            # An assistant turn's tokens are the generated ids while the store remembers them,
+            # else its text's: the chain follows the tokens, so that equal digests keep meaning
+            # equal token prefixes (block hashing resumes from them).
+            key = b"t" + _digest(array("q", seg).tobytes())
+        elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
+            key = _digest(b"results\x00" + json.dumps(parts).encode())
+            seg, n = self._marked_segment(key, parts)
+        else:
+            if role == "user":
+                text = user_text(content, names, deferred, self.tool_format)
+            else:
+                text = system_message_text(content)
+            key = _digest(role.encode() + b"\x00" + text.encode())
+            seg, n = self._segment(role, key, lambda: text)
+        prompt.add(key, seg, n, boundary=not prefill)
+
+    def _reusable(
+        self,
+        conversation: Hashable,
+        head_chain: bytes,
+        turns: list[Any],
+        names: dict[str, str],
+        deferred: dict[str, Any],
+    ) -> tuple[int, PreviousRender | None]:
+        """The conversation's previous render that shares the most leading turns, and how many."""
+        best, best_turns = None, 0
+        for previous in reversed(self.store.previous_renders(conversation)):  # newest first
+            # Only one that also matches turn `best_turns` can do better: checked before a full pass.
+            if best is not None and not (
+                best_turns < len(previous.turns)
+                and best_turns < len(turns)
+                and same_turn(turns[best_turns], previous.turns[best_turns])
+            ):
+                continue
+            num_turns = previous.reusable_turns(head_chain, turns, names, deferred)
+            if num_turns > best_turns:
+                best, best_turns = previous, num_turns
+        return best_turns, best
 
     def remember_reply(self, rendered: RenderedPrompt, content: list[Any], generated_ids: list[int]) -> None:
         """Keep the reply's generated ids for when the client sends this turn back."""
@@ -281,23 +377,3 @@ class Renderer:
             fresh += len(body_ids)
         self.store.put_segment(key, ids)
         return ids, fresh
-
-
-def _merge_assistant_turns(messages: list[Any]) -> list[tuple[str, Any]]:
-    """Consecutive assistant messages are one turn (clients split a reply's blocks)."""
-    turns: list[tuple[str, Any]] = []
-    for message in messages:
-        role, content = message.role, message.content
-        if role == "assistant" and turns and turns[-1][0] == "assistant":
-            previous = turns[-1][1]
-            as_list = lambda c: [_TextLike(c)] if isinstance(c, str) else list(c)  # noqa: E731
-            turns[-1] = ("assistant", as_list(previous) + as_list(content))
-        else:
-            turns.append((role, content))
-    return turns
-
-
-@dataclass
-class _TextLike:
-    text: str
-    type: str = "text"

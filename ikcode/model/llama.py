@@ -105,10 +105,18 @@ class SeqAttention:
             end = self.first_block + self.block_ids.shape[0]
             k, v = k_pool[self.first_block : end], v_pool[self.first_block : end]
         else:
-            k, v = k_pool[self.block_ids], v_pool[self.block_ids]
+            k, v = gather_blocks(k_pool, self.block_ids), gather_blocks(v_pool, self.block_ids)
         shape = (-1, k_pool.shape[2], k_pool.shape[3])
         k, v = k.view(shape), v.view(shape)
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """pool[block_ids] for a [num_blocks, ...] pool, as one row copy per block: index_select on
+    the flattened blocks (measured: 8 x 14 blocks of SmolLM2's pool, 30 us vs 88 us for
+    advanced indexing)."""
+    flat = pool.view(pool.shape[0], -1).index_select(0, block_ids.flatten())
+    return flat.view(*block_ids.shape, *pool.shape[1:])
 
 
 def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: QueryGroup) -> torch.Tensor:
@@ -160,8 +168,8 @@ class DecodeBatch:
     ) -> torch.Tensor:
         """q [n, heads, head_dim] -> [n, heads * head_dim]."""
         n, heads, head_dim = q.shape
-        k = k_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = gather_blocks(k_pool, self.block_table).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = gather_blocks(v_pool, self.block_table).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads sharing a KV head as rows of one SDPA head: no K/V repeat.
         qq = q.view(n, num_kv_heads, heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(qq, k, v, attn_mask=self.key_mask)

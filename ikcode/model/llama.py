@@ -401,14 +401,18 @@ class LlamaModel(nn.Module):
         a 4-row one); the others share one matmul (int8 when quantized), so the output layer is
         read once for all of them."""
         h = self.norm(hidden_rows)
-        out = torch.empty(h.shape[0], self.lm_head_t.shape[1], dtype=h.dtype, device=h.device)
         shared = [i for i, a in enumerate(alone) if not a]
+        if len(shared) == len(alone):  # no row alone: no scatter of [rows, vocab] into `out`
+            return self._shared_logits(h)
+        out = torch.empty(h.shape[0], self.lm_head_t.shape[1], dtype=h.dtype, device=h.device)
         if shared:
             index = torch.tensor(shared, device=h.device)
-            rows = h[index]
-            packed = self.lm_head_packed
-            out[index] = int8.linear(rows, packed) if packed is not None else torch.mm(rows, self.lm_head_t)
+            out[index] = self._shared_logits(h[index])
         for i, a in enumerate(alone):
             if a:
                 out[i] = torch.mm(h[i : i + 1], self.lm_head_t)[0]
         return out
+
+    def _shared_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        packed = self.lm_head_packed
+        return int8.linear(rows, packed) if packed is not None else torch.mm(rows, self.lm_head_t)

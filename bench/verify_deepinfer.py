@@ -10,10 +10,13 @@ replaced by a deterministic CPU model (tests/deepinfer_build/; its timings say n
 GPU). Then:
   1. quality gate: a long prompt asked cold, then again: the answers must be identical at
      temperature 0 and the repeat served >= 95% from the cache;
-  2. hit rate: one conversation per rank, 3 turns each; every later turn must read >= 95% of the
+  2. one hold: in the middle of that warm turn, the blocks of its device hit are the sequence's
+     own blocks, and no other block holds them (a hit copied into the sequence while the cached
+     copy stays pinned would hold the prefix twice);
+  3. hit rate: one conversation per rank, 3 turns each; every later turn must read >= 95% of the
      previous turn (prompt + reply) from the cache;
-  3. TTFT: cold vs warm (median of the turns above), as measured on this machine;
-  4. no leak: once idle, each rank's used KV blocks equal the cache's pinned blocks and every
+  4. TTFT: cold vs warm (median of the turns above), as measured on this machine;
+  5. no leak: once idle, each rank's used KV blocks equal the cache's pinned blocks and every
      state slot is free.
 Exit status 0 when every check passes. Nothing is printed that was not measured in this run.
 
@@ -85,9 +88,25 @@ def prompt_tokens(tokenizer, n: int, seed: int) -> list[int]:
     return ids[:n]
 
 
-def ask(engine, rid: str, prompt: list[int], session: str, max_tokens: int = 64):
+def ask(
+    engine, rid: str, prompt: list[int], session: str, max_tokens: int = 64, mid_turn: list | None = None
+):
+    """Run a request to its end. mid_turn: a list that receives engine.check() taken once the
+    request has streamed its first tokens (it is still running then, unless that was all)."""
     sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
-    tokens, final = engine.submit(EngineRequest(rid, prompt, sampling, session_id=session)).collect(600)
+    stream = engine.submit(EngineRequest(rid, prompt, sampling, session_id=session))
+    tokens: list[int] = []
+    final = None
+    if mid_turn is not None:
+        event = next(iter(stream))
+        tokens += event.token_ids
+        if event.finished:
+            final = event
+        else:
+            mid_turn.append(engine.check())
+    if final is None:
+        rest, final = stream.collect(600)
+        tokens += rest
     deadline = time.monotonic() + 60
     while not engine.idle() and time.monotonic() < deadline:  # committed when DeepInfer frees it
         time.sleep(0.01)
@@ -120,7 +139,8 @@ def main() -> int:
         # 1. quality gate
         doc = prompt_tokens(tokenizer, args.prompt_tokens, 1)
         cold, cold_final = ask(engine, "gate-cold", doc, "gate")
-        warm, warm_final = ask(engine, "gate-warm", doc, "gate")
+        mid: list = []
+        warm, warm_final = ask(engine, "gate-warm", doc, "gate", mid_turn=mid)
         same, hit = cold == warm, warm_final.stats.hit_rate
         passed = same and hit >= MIN_HIT and cold_final.stats.cached_tokens == 0
         ok &= passed
@@ -129,7 +149,23 @@ def main() -> int:
         answers = "identical" if same else "DIFFERENT"
         lines.append(f"quality gate: {len(doc):,}-token prompt, cold/warm answers {answers}, "
                      f"warm hit {hit:.1%}   {verdict(passed)}")  # fmt: skip
-        # 2. hit rate and 3. TTFT
+        # 2. one hold, from the warm turn's mid-turn counts (the only sequence then)
+        hit_blocks = warm_final.stats.cached_tokens_device // 128
+        if mid:
+            shared = sum(c["blocks_pinned_in_sequences"] for c in mid[0])
+            in_use = sum(c["blocks_total"] - c["blocks_free"] for c in mid[0])
+            in_seq = sum(c["blocks_in_sequences"] for c in mid[0])
+            held = 2 * hit_blocks - shared  # the sequence's copy + cached blocks not its own
+            passed = hit_blocks > 0 and shared == hit_blocks  # no hit: nothing to hold once
+            results["one_hold"] = {"hit_blocks": hit_blocks, "blocks_in_use": in_use,
+                                   "blocks_in_sequence": in_seq, "hit_blocks_shared": shared}  # fmt: skip
+            lines.append(f"one hold: mid-turn {in_use} blocks in use, {in_seq} in the sequence; its "
+                         f"{hit_blocks}-block device hit held {held / max(hit_blocks, 1):.2f}x   "
+                         f"{verdict(passed)}")  # fmt: skip
+            ok &= passed
+        else:
+            lines.append("one hold: not measured (the warm turn ended with its first output)")
+        # 3. hit rate and 4. TTFT
         hits, cold_ttft, warm_ttft = [], [cold_final.stats.ttft_s], [warm_final.stats.ttft_s]
         for rank in range(len(engine.ranks)):
             prompt = prompt_tokens(tokenizer, args.prompt_tokens // 2, 100 + rank)
@@ -154,7 +190,7 @@ def main() -> int:
         speedup = cold_s / max(warm_s, 1e-9)
         lines.append(f"TTFT: cold median {cold_s:.3g} s, warm median {warm_s:.3g} s ({speedup:.0f}x)"
                      f"   {'PASS' if warm_s < cold_s else 'WARN'}")  # fmt: skip
-        # 4. no leak
+        # 5. no leak
         try:
             deadline = time.monotonic() + 60  # the last turn is released a step or more after it ends
             checks = engine.check()

@@ -7,6 +7,7 @@ hold several named tokens (one per user, revocable) in `tokens.json` beside it.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import os
 import secrets
 from pathlib import Path
@@ -107,3 +108,13 @@ def revoke_team_token(name: str) -> bool:
     del tokens[name]
     _save_team_tokens(tokens)
     return True
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind or connect host is this machine only (no token is needed there)."""
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -3,7 +3,8 @@
 Shipped profiles live in `ikcode/profiles/*.toml`; user profiles in `<config dir>/profiles/*.toml`
 override shipped ones of the same name. Anywhere a profile name is accepted, a path to a TOML file
 is accepted too. The sections `cache`, `admission`, `hardware` and `upstream` are free-form tables
-here: the layers that use them validate their own keys.
+here: the layers that use them validate their own keys (`deepinfer` too: the DeepInfer adapter's
+engine settings, read by ikcode/engines/deepinfer/config.py and by the simulator's ikcode rows).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Profile(BaseModel):
     admission: dict[str, Any] = Field(default_factory=dict)
     hardware: dict[str, Any] = Field(default_factory=dict)
     upstream: dict[str, Any] = Field(default_factory=dict)
+    deepinfer: dict[str, Any] = Field(default_factory=dict)
 
     @property
     def base_url(self) -> str:

@@ -5,7 +5,6 @@ This is the only place that knows which engine a profile names; the gateway sees
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import signal
@@ -31,15 +30,6 @@ class Stack:
     tokenizer: Any
     context_window: int
     description: str
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def _embedded_engine(profile: Profile, model_path: str | None) -> tuple[Engine, Any, str]:
@@ -121,7 +111,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
     from ikcode.gateway.settings import GatewaySettings
 
     tokens: dict[str, str] = {}
-    if profile.auth.required or not is_loopback(host):
+    if profile.auth.required or not auth.is_loopback(host):
         tokens = {"launcher": auth.load_or_create_token(), **auth.team_tokens()}
     return GatewaySettings(
         cache_salt_per_user=cache_salting(profile),
@@ -129,7 +119,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
         context_window=context_window,
         max_output_tokens=profile.max_output_tokens,
         auth_tokens=tokens,
-        bind_loopback=is_loopback(host),
+        bind_loopback=auth.is_loopback(host),
         request_log_path=daemon.request_log_file(),
         default_temperature=profile.model.default_temperature,
         repeat_penalty=profile.model.repeat_penalty,

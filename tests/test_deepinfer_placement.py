@@ -97,10 +97,11 @@ def test_placement_leaves_the_router_as_it_was(tmp_path):
         away = engine.placement(request("second", prompt, "s"), busy)
         assert away.rank != home
         assert away.kv_blocks == -(-len(prompt) // 128)  # nothing cached there
-        # ... without them it stays home, and the device hit it would pin is counted
+        # ... without them it stays home, where its device hit takes nothing beyond the prompt's
+        # blocks: the hit is copied into them and the cached blocks it came from go back free
         stay = engine.placement(request("second", prompt, "s"), [0, 0])
         assert stay.rank == home
-        assert stay.kv_blocks == away.kv_blocks + (len(prompt) - 140) // 128  # the idle hit, pinned
+        assert stay.kv_blocks == away.kv_blocks
         placed = engine.placement(request("other", random_tokens(600, 9), "new"), [0, 0])
         assert (dict(engine.router._sessions), list(engine.router._per_rank)) == state  # noqa: SLF001
         # a new session placed on the idle rank, then submitted, is routed there too

@@ -188,12 +188,9 @@ def test_attention_reads_only_each_sequences_own_blocks(mode: str):
     rng = random.Random(4)
     for i, n in enumerate((5, 70, 33)):
         engine.submit(EngineRequest(f"r{i}", _prompt(rng, n), GREEDY))
-    with engine._lock:
-        for seq in engine._inbox:
-            engine.scheduler.add(seq)
-        engine._inbox.clear()
     for _ in range(3):  # one prefill step, then decode steps
-        scheduled = engine.scheduler.schedule()
+        with engine._lock:
+            scheduled = engine.scheduler.schedule().scheduled
         batch, _ = engine.runner.build_batch(scheduled)
         owners = {}
         for item in scheduled:

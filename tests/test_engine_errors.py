@@ -135,12 +135,12 @@ def test_shutdown_drains_then_refuses():
     assert engine.cache.num_free_blocks() == engine.num_blocks
 
 
-def test_a_submit_that_lands_after_the_last_inbox_read_is_still_ended_at_shutdown():
-    # A submit can pass its shutdown check, then reach the inbox after the engine thread last
-    # read it; the final abort pass must still end that stream, or its reader waits forever.
+def test_a_submit_that_lands_after_the_last_step_is_still_ended_at_shutdown():
+    # A submit can pass its shutdown check, then reach the scheduler after the engine thread's
+    # last step; the final abort pass must still end that stream, or its reader waits forever.
     engine = tiny_engine(kv_memory_bytes=1 << 20, start=False)
     stream = engine.submit(EngineRequest("late", [5] * 30, OK))
-    engine._abort_everything()  # what the engine thread runs last, with "late" still in the inbox
+    engine._abort_everything()  # what the engine thread runs last, with "late" never stepped
     _, final = stream.collect(5)
     assert final.finish_reason is FinishReason.ABORT and isinstance(final.error, EngineShutdown)
     assert engine.idle()

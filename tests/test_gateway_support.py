@@ -89,10 +89,10 @@ def wait_idle(engine: EmbeddedEngine, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         load = engine.load()
-        if load.running == 0 and load.waiting == 0 and load.kv_blocks_used == 0 and not engine._live:
+        if load.running == 0 and load.waiting == 0 and load.kv_blocks_used == 0 and engine.idle():
             break
         if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle: {load}, live={list(engine._live)}")
+            raise AssertionError(f"engine not idle: {load}, live={list(engine.scheduler.seqs)}")
         time.sleep(0.02)
     with engine._lock:
         engine.cache.check_invariants()

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from ikcode.admission import AdmissionConfig
-from ikcode.bench.hardware import HardwareModel
+from ikcode.bench.hardware import HardwareModel, adapter_schedule
 from ikcode.bench.simulate import run_simulation
 from ikcode.bench.workload import AgentsWorkload
 from ikcode.cli import main
@@ -57,6 +57,23 @@ def test_plan_and_simulator_agree_on_the_resident_limit():
     over = run_simulation(hw, AdmissionConfig(policy="fifo"), replace(load, agents=2 * limit))
     assert under["cached_token_share"] > 0.85
     assert over["cached_token_share"] < 0.6
+
+
+def test_plan_and_simulator_agree_on_the_compute_limit():
+    """200 x 500K on 4x B200 with ikcode: every turn in flight fits in memory (held once), so
+    reading is the limit; 10% under plan's limit turns start in seconds, 25% past it they queue."""
+    profile = load_profile("deepinfer-4xb200")
+    hw, schedule = hardware(), adapter_schedule(profile)
+    result = plan(hw, 500_000, 200, engine_schedule=schedule)
+    limit = result["max_agents_at_this_size"]
+    assert not result["fits"] and result["limit"] == "compute", result
+    assert result["max_agents_memory"] > limit
+    ikcode = AdmissionConfig.from_dict(profile.admission, policy="ikcode")
+    load = AgentsWorkload(agents=int(limit * 0.9), context_tokens=500_000)
+    under = run_simulation(hw, ikcode, load, engine_schedule=schedule)
+    over = run_simulation(hw, ikcode, replace(load, agents=int(limit * 1.25)), engine_schedule=schedule)
+    assert under["ttft"]["p50"] < 3.0 and under["failed"] == 0, under["ttft"]
+    assert over["ttft"]["p50"] > 3 * under["ttft"]["p50"], (under["ttft"], over["ttft"])
 
 
 def test_plan_refuses_an_empty_conversation_instead_of_dividing_by_zero():

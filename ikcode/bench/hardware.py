@@ -98,3 +98,14 @@ class HardwareModel:
                 f"unknown [hardware] keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
         return cls(**data)
+
+
+def adapter_schedule(profile: Any) -> dict[str, int]:
+    """The engine step settings ikcode's DeepInfer adapter passes live for this profile (its
+    [deepinfer] table over the adapter's defaults); the simulator's ikcode rows run these, the
+    fifo baseline DeepInfer's own defaults (the HardwareModel fields). Empty for other engines."""
+    if getattr(profile, "engine", "") != "deepinfer":
+        return {}
+    from ikcode.engines.deepinfer.config import DeepInferConfig
+
+    return DeepInferConfig.from_profile(profile, model_path="").schedule()

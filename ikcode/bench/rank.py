@@ -16,8 +16,9 @@ What differs by policy is what runs live:
   card's PCIe link (rank_cache.evict_for / RankCache.admit). The published baseline's host tier
   rescued only idle sessions; an agent's conversation is busy until the agent leaves it, and a
   conversation left never returns, so its rescues never serve a turn: off.
-- `copy_device_hits`: ikcode's adapter copies a GPU-tier hit into the sequence's own blocks and
-  keeps the cached copy pinned until release (RankCache.admit): such a turn holds its prefix twice.
+A GPU-tier hit is held once: the adapter copies it into the sequence's own blocks and unpins the
+cached copy once the copy is enqueued (RankCache.admit), so the sequence's blocks are all a turn
+holds, as the shared, referenced hit blocks are here.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ class SimRequest:
     cached_host: int = 0
     computed: int = 0
     remaining: int = 0  # prompt tokens still to prefill
-    copied: bool = False  # holds a second copy of its device hit (see copy_device_hits)
     first_token_at: float | None = None
     finished_at: float | None = None
     failed: str = ""
@@ -68,7 +68,6 @@ class SimRank:
         block_size: int,
         *,
         host_tier: bool,
-        copy_device_hits: bool,
         cache_policy: str,
         clock: Callable[[], float],
     ):
@@ -86,7 +85,6 @@ class SimRank:
             bytes_per_block=hw.kv_bytes_per_token * block_size,
             clock=clock,
         )
-        self.copy_device_hits = copy_device_hits
         self.pending: deque[SimRequest] = deque()  # routed here, no blocks yet
         self.waiting: deque[SimRequest] = deque()  # allocated, prefill not finished (FCFS)
         self.decoding: list[tuple[int, int, SimRequest]] = []  # (last decode step, order, request)
@@ -116,14 +114,13 @@ class SimRank:
         while self.pending:
             req = self.pending[0]
             need, hits, keys = self._need(req)
-            copy = hits if self.copy_device_hits else 0
             if self.blocks_to_take(req) + self.reserve_blocks > self.cache.num_free_blocks():
-                if not self.waiting and not self.decoding and need + copy > self.total_blocks:
+                if not self.waiting and not self.decoding and need > self.total_blocks:
                     never.append(self.pending.popleft())
                     continue
                 break
             self.pending.popleft()
-            self._allocate(req, keys, need, copy)
+            self._allocate(req, keys, need)
         return never
 
     def _need(self, req: SimRequest) -> tuple[int, int, list[int]]:
@@ -133,24 +130,19 @@ class SimRank:
         return need, min(self.cache.match(keys).device_blocks, need), keys
 
     def blocks_to_take(self, req: SimRequest) -> int:
-        """Blocks req's allocation takes out of the free-or-evictable pool: its fresh blocks (and
-        the copy of its device hit), plus the hits no running sequence holds, which stop being
-        evictable once pinned."""
+        """Blocks req's allocation takes out of the free-or-evictable pool: its fresh blocks, plus
+        the hits no running sequence holds, which stop being evictable once pinned."""
         need, hits, keys = self._need(req)
         pool = self.cache.pool
         idle_hits = sum(1 for k in keys[:hits] if pool.refcount[pool.index[k]] == 0)
-        copy = hits if self.copy_device_hits else 0
-        return need - hits + copy + idle_hits
+        return need - hits + idle_hits
 
-    def _allocate(self, req: SimRequest, keys: list[int], need: int, copy: int) -> None:
+    def _allocate(self, req: SimRequest, keys: list[int], need: int) -> None:
         stats = self.cache.stats
         moved_before = stats.promoted_blocks + stats.demoted_blocks
         alloc = self.cache.allocate(
             req.request_id, keys, need, session_id=req.session_id, num_tokens=req.prompt_tokens
         )
-        if copy:
-            self.cache.allocate(req.request_id + "#copy", [], copy)
-            req.copied = True
         moved = stats.promoted_blocks + stats.demoted_blocks - moved_before
         if moved:
             self.copy_s += self.hw.copy_seconds(moved * self.block_size)
@@ -206,11 +198,9 @@ class SimRank:
         return out
 
     def release(self, req: SimRequest) -> None:
-        """The engine frees the sequence: commit its full blocks, drop the extra copy."""
+        """The engine frees the sequence: commit its full blocks."""
         total = req.prompt_tokens + req.output_tokens
         self.cache.release(req.request_id, req.keys(total // self.block_size), session_id=req.session_id)
-        if req.copied:
-            self.cache.release(req.request_id + "#copy", [])
 
     def take_copy_seconds(self) -> float:
         seconds, self.copy_s = self.copy_s, 0.0

@@ -8,7 +8,7 @@ its share of the agents' first conversations from zero, which no admission order
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -29,6 +29,7 @@ def sensitivity_rows(
     workload: AgentsWorkload,
     block_size: int = 2048,
     cache_policy: str = "lru",
+    engine_schedule: Mapping[str, int] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     cases: list[tuple[str, HardwareModel, AgentsWorkload]] = [("base", hardware, workload)]
@@ -43,7 +44,9 @@ def sensitivity_rows(
             progress(label)
         row: dict[str, Any] = {"row": label, "startup_floor_s": startup_floor_s(hw, w), "policies": {}}
         for admission in admissions:
-            report = run_simulation(hw, admission, w, block_size, cache_policy)
+            report = run_simulation(
+                hw, admission, w, block_size, cache_policy, engine_schedule=engine_schedule
+            )
             row["policies"][admission.policy] = _summary(report)
         rows.append(row)
     return rows

@@ -7,6 +7,10 @@ What runs here is what runs live, as code or as the engine does it:
 - routing: the DeepInfer adapter's SessionRouter (engines/deepinfer/routing.py), fed with each
   rank's cached prefix and its live request count, as DeepInferEngine.submit does;
 - memory: one real PrefixCache per rank (SimRank);
+- the engine's own step settings: the `fifo` baseline runs DeepInfer 0.1.0's defaults (a whole
+  prompt per prefill step, votes every 70 / 100 decode steps: the published system); the ikcode
+  rows run the settings ikcode's DeepInfer adapter passes live (`schedule`: DeepInferConfig.schedule,
+  the profile's [deepinfer] table);
 - the engine's own step decisions (DeepInfer 0.1.0, csrc/engine/scheduler.hpp): every rank steps in
   lockstep and a step is prefill or decode for all of them. Prefill is tried after every
   `prefill_attempt_interval` decode steps when ALL ranks want it and after every
@@ -21,7 +25,8 @@ hour of hundreds of agents take seconds.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from ikcode.admission import AdmissionConfig, AdmissionController
 from ikcode.engines.base import (
@@ -97,14 +102,17 @@ class SimulatedServer:
         admission: AdmissionConfig,
         block_size: int = 2048,
         cache_policy: str = "lru",
+        schedule: Mapping[str, int] | None = None,
     ):
+        ikcode = admission.policy != "fifo"
+        if ikcode and schedule:
+            hardware = replace(hardware, **schedule)
         self.hw = hardware
         self.block_size = block_size
         self.now = 0.0
-        ikcode = admission.policy != "fifo"
         clock: Callable[[], float] = lambda: self.now  # noqa: E731 - the cache's and admission's clock
         self.ranks = [
-            SimRank(i, hardware, block_size, host_tier=ikcode, copy_device_hits=ikcode,
+            SimRank(i, hardware, block_size, host_tier=ikcode,
                     cache_policy=cache_policy, clock=clock)
             for i in range(hardware.cards)
         ]  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ikcode.admission import AdmissionConfig
@@ -26,9 +26,11 @@ def run_simulation(
     block_size: int = 2048,
     cache_policy: str = "lru",
     progress: Progress | None = None,
+    engine_schedule: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
-    """Run the workload to its end (all started turns drained); return the bench report."""
-    server = SimulatedServer(hardware, admission, block_size, cache_policy)
+    """Run the workload to its end (all started turns drained); return the bench report.
+    `engine_schedule`: the engine step settings ikcode's adapter passes live (SimulatedServer)."""
+    server = SimulatedServer(hardware, admission, block_size, cache_policy, engine_schedule)
     scripts = [AgentScript(workload, i) for i in range(workload.agents)]
     events: list[tuple[float, int, Turn, TurnResult | None]] = []  # (time, seq, turn, result of a retry)
     results: list[TurnResult] = []
@@ -106,6 +108,10 @@ def run_simulation(
         "mode": "simulate",
         "policy": admission.policy,
         "hardware": hardware.name,
+        "engine_schedule": {
+            key: getattr(server.hw, key)
+            for key in ("max_num_batched_tokens", "prefill_attempt_interval", "prefill_any_attempt_interval")
+        },
         "block_size": block_size,
         "cache_policy": cache_policy,
         "workload": workload.to_dict(),

@@ -75,7 +75,7 @@ def bench_command(**opts: Any) -> None:
 
     from ikcode.admission import AdmissionConfig
     from ikcode.bench.chart import write_chart
-    from ikcode.bench.hardware import HardwareModel
+    from ikcode.bench.hardware import HardwareModel, adapter_schedule
     from ikcode.bench.report import print_reports, write_json
     from ikcode.bench.workload import AgentsWorkload
     from ikcode.profiles import ProfileError, load_profile
@@ -141,6 +141,7 @@ def bench_command(**opts: Any) -> None:
 
         try:
             hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
+            schedule = adapter_schedule(profile)
             block = int(profile.cache.get("simulate_block_size", 2048))
             cache_policy = str(profile.cache.get("policy", "lru"))
             admissions = [
@@ -156,7 +157,9 @@ def bench_command(**opts: Any) -> None:
                 for policy in opts["policies"] or ("fifo", "ikcode")
             ]
             if opts["sensitivity"]:
-                _sensitivity(hw, admissions, workload, block, cache_policy, opts["json_path"], console)
+                _sensitivity(
+                    hw, admissions, workload, block, cache_policy, schedule, opts["json_path"], console
+                )
                 return
             for admission in admissions:
                 policy = admission.policy
@@ -164,7 +167,9 @@ def bench_command(**opts: Any) -> None:
                     f"simulating {workload.agents} agents x {workload.context_tokens:,} tokens, "
                     f"policy {policy}, {workload.duration_s:.0f} s ..."
                 )
-                reports.append(run_simulation(hw, admission, workload, block, cache_policy, progress))
+                reports.append(
+                    run_simulation(hw, admission, workload, block, cache_policy, progress, schedule)
+                )
         except ValueError as err:
             raise click.ClickException(str(err)) from None
     else:
@@ -196,6 +201,7 @@ def _sensitivity(
     workload: Any,
     block: int,
     cache_policy: str,
+    schedule: dict[str, int],
     json_path: str | None,
     console: Any,
 ) -> None:
@@ -207,6 +213,7 @@ def _sensitivity(
         workload,
         block,
         cache_policy,
+        engine_schedule=schedule,
         progress=lambda label: console.print(f"[dim]  {label}[/dim]"),
     )
     click.echo(format_rows(rows))

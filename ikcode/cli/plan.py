@@ -39,7 +39,7 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
     """
     from rich.console import Console
 
-    from ikcode.bench.hardware import HardwareModel
+    from ikcode.bench.hardware import HardwareModel, adapter_schedule
     from ikcode.plan import plan
     from ikcode.profiles import ProfileError, load_profile
 
@@ -48,7 +48,8 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
         if not profile.hardware:
             raise click.ClickException(f"profile {profile.name!r} has no [hardware] table to plan with")
         hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
-        result = plan(hw, context_tokens, agents)
+        schedule = adapter_schedule(profile)
+        result = plan(hw, context_tokens, agents, engine_schedule=schedule)
         if check:
             from ikcode.admission import AdmissionConfig
             from ikcode.plan import simulate_limit
@@ -59,7 +60,9 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
             ikcode = AdmissionConfig.from_dict(profile.admission, policy="ikcode")
             result["simulated"] = simulate_limit(
                 hw, context_tokens, result["max_agents_resident"], fifo, block
-            ) + simulate_limit(hw, context_tokens, result["max_agents_at_this_size"], ikcode, block)
+            )
+            limit = result["max_agents_at_this_size"]
+            result["simulated"] += simulate_limit(hw, context_tokens, limit, ikcode, block, schedule)
     except (ProfileError, ValueError) as err:
         raise click.ClickException(str(err)) from None
     if as_json:
@@ -81,10 +84,15 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
         f"(the GPU tier alone, {result['gpu_tier_tokens'] / 1e6:.0f}M tokens)"
     )
     console.print(
-        f"  turns in flight             {result['turn_slots']} fit (a GPU hit is held twice while it runs); "
+        f"  turns in flight             {result['turn_slots']} fit (each holds its conversation once); "
         f"an agent has one in flight {result['agent_busy_share']:.0%} of the time"
     )
-    console.print(f"  most agents at this size    {result['max_agents_at_this_size']}")
+    console.print(
+        f"  limits                      {result['max_agents_memory']} agents by GPU memory, "
+        f"{result['max_agents_compute']} by compute ({result['read_tokens_per_turn']:,} tokens read per turn "
+        f"at {result['no_cache_read_tokens_per_s'] / 1e3:,.0f}K tokens/s)"
+    )
+    console.print(f"  most agents at this size    {result['max_agents_at_this_size']} ({result['limit']})")
     console.print(
         f"  cold read / host reload     {result['cold_read_s']:.2f} s / {result['reload_s']:.3f} s (one card)"
     )

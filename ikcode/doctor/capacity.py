@@ -37,15 +37,16 @@ def parse_metrics(text: str) -> dict[str, float]:
 def _plan_summary(ctx: DoctorContext) -> dict[str, Any] | None:
     if not ctx.profile.hardware:
         return None
-    from ikcode.bench.hardware import HardwareModel
+    from ikcode.bench.hardware import HardwareModel, adapter_schedule
     from ikcode.plan import plan
 
     try:
         hw = HardwareModel.from_dict(ctx.profile.hardware, name=ctx.profile.name)
+        schedule = adapter_schedule(ctx.profile)
     except ValueError:
         return None
     context = min(ctx.context_window or ctx.profile.context_window, 450_000)
-    result = plan(hw, context, agents=100)
+    result = plan(hw, context, agents=100, engine_schedule=schedule)
     keys = (
         "context_tokens",
         "agents",
@@ -54,6 +55,7 @@ def _plan_summary(ctx: DoctorContext) -> dict[str, Any] | None:
         "active_at_once",
         "fits",
         "max_agents_at_this_size",
+        "limit",
         "status",
     )
     return {k: result[k] for k in keys}

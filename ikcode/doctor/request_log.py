@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ikcode import daemon
-from ikcode.stack import is_loopback
+from ikcode.auth import is_loopback
 
 TAIL_BYTES = 16 * 1024 * 1024
 NO_LOG_FIX = "run doctor on the server's machine, or pass --request-log PATH (the server's requests.jsonl)"

@@ -20,6 +20,10 @@ REQUIRED_ENVIRONMENT: dict[str, str] = {
 }
 
 
+# The [deepinfer] profile keys: how the adapter sets DeepInfer's own step scheduling.
+SCHEDULE_KEYS = ("max_num_batched_tokens", "prefill_attempt_interval", "prefill_any_attempt_interval")
+
+
 @dataclass
 class DeepInferConfig:
     model: str  # local Hugging Face folder of DeepSeek-V4.1-Flash
@@ -30,7 +34,13 @@ class DeepInferConfig:
     # DeepInfer's chunked_prefill is a bool (arg_utils.py:42); the chunk is max_num_batched_tokens,
     # which defaults to max_model_len (config.py:228).
     chunked_prefill: bool = True
-    max_num_batched_tokens: int | None = 8192
+    max_num_batched_tokens: int | None = 131072
+    # Decode steps between prefill votes: when every rank has prefill work / when any has
+    # (SchedulerConfig, config.py:193-194, read by the C++ scheduler at scheduler.hpp:105-108 and
+    # voted on at :306-336). DeepInfer's defaults (70 / 100, environ.py:174,177) make a warm turn
+    # wait up to 100 decode steps; None keeps them. Passed to each rank as its environment.
+    prefill_attempt_interval: int | None = 20
+    prefill_any_attempt_interval: int | None = 40
     served_model: str = "deepseek-v4.1-flash"
     eos_token_ids: tuple[int, ...] | None = None  # None: read from <model>/config.json
     vocab_size: int | None = None  # None: read from <model>/config.json
@@ -69,6 +79,10 @@ class DeepInferConfig:
             raise ValueError(f"max_model_len must be > {KVSTORE_GRAIN}, got {self.max_model_len}")
         if not 0.0 <= self.gpu_tier_fraction < self.prefill_watermark:
             raise ValueError("gpu_tier_fraction must be in [0, prefill_watermark)")
+        for name in ("prefill_attempt_interval", "prefill_any_attempt_interval", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.commit_point not in ("release", "final_token"):
             raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")
 
@@ -88,6 +102,10 @@ class DeepInferConfig:
         """Variables set in rank `rank`'s process before deepinfer is imported: one visible GPU
         (each engine uses cuda:0 of its own process) and the rendezvous address."""
         env = dict(REQUIRED_ENVIRONMENT)
+        if self.prefill_attempt_interval is not None:
+            env["DEEPINFER_PREFILL_ATTEMPT_INTERVAL"] = str(self.prefill_attempt_interval)
+        if self.prefill_any_attempt_interval is not None:
+            env["DEEPINFER_PREFILL_ANY_ATTEMPT_INTERVAL"] = str(self.prefill_any_attempt_interval)
         env.update({k: str(v) for k, v in self.environment.items()})
         devices = self.devices()
         env["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
@@ -112,8 +130,13 @@ class DeepInferConfig:
     @classmethod
     def from_profile(cls, profile: Any, model_path: str | None = None) -> DeepInferConfig:
         """From a profile: [model] path / max_num_seqs, context_window, [hardware] cards,
-        [cache] host tier and policy knobs (the profile schema has no [deepinfer] table yet)."""
+        [cache] host tier and policy knobs, and [deepinfer]'s engine settings (SCHEDULE_KEYS)."""
         cache = dict(profile.cache)
+        schedule = dict(getattr(profile, "deepinfer", {}) or {})
+        unknown = sorted(set(schedule) - set(SCHEDULE_KEYS))
+        if unknown:
+            known = ", ".join(SCHEDULE_KEYS)
+            raise ValueError(f"unknown [deepinfer] keys: {', '.join(unknown)}; known: {known}")
         page_bytes = int(profile.hardware.get("kv_bytes_per_token", 0)) * KVSTORE_GRAIN
         host_mb = int(cache.get("host_cache_mb", 0))
         host_blocks = host_mb * 1024 * 1024 // page_bytes if page_bytes and host_mb else 0
@@ -127,4 +150,13 @@ class DeepInferConfig:
             gpu_memory_utilization=float(cache.get("gpu_memory_utilization", 0.9)),
             gpu_tier_fraction=float(cache.get("gpu_tier_fraction", 0.6)),
             host_tier_blocks_per_rank=host_blocks // max(1, cards),
+            **{key: int(value) for key, value in schedule.items()},
         )
+
+    def schedule(self) -> dict[str, int]:
+        """The engine's step settings as this adapter runs them (None: DeepInfer's default), for
+        the simulator's ikcode rows."""
+        values = {key: getattr(self, key) for key in SCHEDULE_KEYS}
+        if not self.chunked_prefill:
+            values["max_num_batched_tokens"] = None  # a whole prompt per step (config.py:228)
+        return {key: value for key, value in values.items() if value is not None}

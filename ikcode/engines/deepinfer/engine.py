@@ -227,21 +227,21 @@ class DeepInferEngine:
 
     def placement(self, request: EngineRequest, admitting: list[int]) -> Placement:
         """The rank submit() would route request to with admitting[r] more requests on rank r,
-        and the blocks its allocation takes there: the whole prompt (a device hit is copied into
-        the sequence's own blocks) plus the hit blocks no request holds now, which stop being
-        evictable while it runs. Leaves the router as it is: one cheap call per rank."""
+        and the blocks its allocation takes there: the whole prompt. A device hit is copied into
+        the sequence's own blocks, and the cached blocks it was copied from go back free as its
+        slots are pointed at the copy (RankCache.admit), so a hit takes nothing more from the free
+        or evictable pool. Leaves the router as it is: one cheap call per rank."""
         self.start()
         prompt = request.prompt_token_ids
         if self.failure or self._stopping:  # submit() will say why; admission must not raise here
             return Placement(0, -(-len(prompt) // KVSTORE_GRAIN))
         hashes = hash_blocks(prompt, KVSTORE_GRAIN, request.cache_salt)
-        probes = [self._call(r, "placement", hashes, len(prompt)) for r in self.ranks]
+        probes = [self._call(r, "resumable", hashes, len(prompt)) for r in self.ranks]
         extra = list(admitting) + [0] * (len(self.ranks) - len(admitting))
         index = self.router.peek(
-            request.session_id, lambda i: probes[i][0], lambda i: self._active(i) + extra[i]
+            request.session_id, lambda i: probes[i], lambda i: self._active(i) + extra[i]
         )
-        blocks = -(-len(prompt) // KVSTORE_GRAIN) + probes[index][1]
-        return Placement(index, blocks)
+        return Placement(index, -(-len(prompt) // KVSTORE_GRAIN))
 
     # ---- truth for /metrics, doctor and tests ---------------------------------------------------
     def cache_stats(self) -> dict[str, float]:

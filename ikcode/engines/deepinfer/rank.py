@@ -116,6 +116,7 @@ class RankWorker(RankAdmission, RankRelease):
             new, self.inbox = list(self.inbox), deque()
             aborts, self.aborts = self.aborts, []
         self.pending.extend(new)
+        self.cache.release_copied()  # the last step's hit copies have run: their sources go free
         for request_id in aborts:
             self._abort(request_id, None)
         if self.abort_all_error is not None:

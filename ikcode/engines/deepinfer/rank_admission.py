@@ -64,9 +64,11 @@ class RankAdmission:
             if not added:
                 self.pending.remove(r)
                 continue
-            blocks = -(-len(r.request.prompt_token_ids) // KVSTORE_GRAIN)
-            with self.lock:
-                self.cache.evict_for(blocks + self.reserve_blocks)
+            prompt_len = len(r.request.prompt_token_ids)
+            blocks = -(-prompt_len // KVSTORE_GRAIN)
+            with self.lock:  # room for the whole prompt, taken from the hit it is about to copy last
+                n = self.cache.resumable_blocks(r.hashes, prompt_len, self.config.yoco_keep_tokens)
+                self.cache.evict_for(blocks + self.reserve_blocks, keep=r.hashes[:n])
             allocated = self.scheduler.try_allocate_seq(r.seq)
             if allocated and self.blocks.get_num_free_blocks() < self.reserve_blocks:
                 # Prefill-stall guard: past the watermark DeepInfer admits no prefill

@@ -2,9 +2,14 @@
 own KV blocks as the GPU tier (pinned), host RAM pages as the host tier.
 
 A GPU-tier slot of the PrefixCache is bound to one engine block that the cache keeps pinned
-(`pin_blocks`, pybind_scheduler.cpp:65-73) so that `free_seq` leaves it alone. A hit is copied
-into the new sequence's own blocks (D2D from pinned blocks, H2D from host pages) together with
-the sliding-window state snapshot taken at the same 128 boundary (cache_engine.py:762-848).
+(`pin_blocks`, pybind_scheduler.cpp:65-73: a block is free when its refcount is 0,
+block_manager.hpp:88-103) so that `free_seq` leaves it alone. A hit is copied into the new
+sequence's own blocks (D2D from pinned blocks, H2D from host pages) together with the
+sliding-window state snapshot taken at the same 128 boundary (cache_engine.py:762-848). The hit's
+slots are then bound to the sequence's copies, which the sequence never writes (a hit stops
+before the prompt's last token), and the blocks copied from are unpinned once the copy has run:
+a turn holds its prefix once, and the cache entry stays valid whatever becomes of the sequence
+(its pinned blocks outlive free_seq and preemption).
 Everything here runs on the rank's engine thread, except `match` (under the rank's lock).
 """
 
@@ -35,6 +40,17 @@ class PageMover:
 
     def host_to_device(self, page: int, block: int) -> None:
         self.gpu_blocks[block].copy_(self.host[page], non_blocking=True)
+
+    def mark(self) -> Any:
+        """An event after the copies queued so far (None on a CPU, where copies are done when
+        they return)."""
+        if not getattr(self.gpu_blocks, "is_cuda", False):
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
 
 def state_to_host(snapshot: Any) -> Any:
@@ -76,6 +92,8 @@ class RankCache:
         self.snapshots: OrderedDict[BlockHash, Any] = OrderedDict()  # key ending at P -> state at P
         self.max_snapshots = 4 * (num_slots + num_host_pages) + 64
         self._promote_into: list[int] = []  # engine blocks receiving this allocation's promotions
+        self.copy_sources: list[int] = []  # blocks device hits were copied from, still pinned
+        self.copy_done: Any = None  # an event after those copies (None on a CPU)
         # DEEPINFER_PREFILL_STORE_EXTRA_SIZE: how far behind a sequence's last position its ring
         # still holds a whole window (environ.py:164)
         self.extra_state_tokens = extra_state_tokens
@@ -116,8 +134,19 @@ class RankCache:
             alloc = self.cache.allocate(request_id, [], 0, session_id=session, num_tokens=prompt_len)
         finally:
             self._promote_into = []
-        for i in range(alloc.cached_blocks_device):
-            self.pages.device_to_device(self.bound[alloc.block_table[i]], table[i])
+        try:
+            for i in range(alloc.cached_blocks_device):
+                slot = alloc.block_table[i]
+                source = self.bound[slot]
+                self.pages.device_to_device(source, table[i])
+                # The slot now points at the sequence's copy (the turn holds its prefix once);
+                # the block it was copied from is unpinned once the copy has run (release_copied).
+                self.blocks.pin_blocks([table[i]])
+                self.bound[slot] = table[i]
+                self.copy_sources.append(source)
+        finally:
+            if self.copy_sources:
+                self.copy_done = self.pages.mark()
         if n:
             snapshot = self.snapshots[hashes[n - 1]]
             self.snapshots.move_to_end(hashes[n - 1])
@@ -176,18 +205,45 @@ class RankCache:
             self.interface.select_state_slice_to_store(seq.state_id, position, self.state_cache)
         )
 
+    def release_copied(self) -> int:
+        """Unpin the blocks device hits were copied from, once those copies have run. Called
+        before each step's admissions: as DeepInfer releases the sources of its own block clones
+        one step later, after an event on the copies (DeferredRelease, llm_engine.py:67-118).
+        Returns the blocks released."""
+        if not self.copy_sources:
+            return 0
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+        released, self.copy_sources, self.copy_done = self.copy_sources, [], None
+        self.blocks.unpin_blocks(released)
+        return len(released)
+
     def drop(self, request_id: str) -> None:
         """Forget the request's entry without committing anything (errors, the final-token bug)."""
         if request_id in self.cache._seqs:  # noqa: SLF001 - PrefixCache has no 'holds' query
             self.cache.release(request_id, [])
 
     # ---- eviction for the prefill watermark -----------------------------------------------------
-    def evict_for(self, free_blocks_needed: int) -> int:
+    def evict_for(self, free_blocks_needed: int, keep: list[BlockHash] | None = None) -> int:
         """Unpin least valuable GPU-tier blocks until the engine has free_blocks_needed free
-        blocks or nothing more can go. Evicted keys are demoted to the host tier when there is one."""
+        blocks or nothing more can go. Evicted keys are demoted to the host tier when there is one.
+        Blocks still held as the source of a hit's copy count as free: they are at the next step.
+        keep: the prefix the coming allocation will hit, evicted only when nothing else can go
+        (the allocation takes the whole prompt before the hit's copy gives those blocks back)."""
+        pool = self.cache.pool
+        spared = [pool.index[key] for key in keep or () if key in pool.index]
+        for slot in spared:
+            pool.pin(slot)  # out of the policy's reach for the first pass
+        try:
+            evicted = self._evict(free_blocks_needed)
+        finally:
+            pool.unref(spared, time.monotonic(), None, step=False)
+        return evicted + self._evict(free_blocks_needed)
+
+    def _evict(self, free_blocks_needed: int) -> int:
         evicted = 0
         pool, policy = self.cache.pool, self.cache.policy
-        while self.blocks.get_num_free_blocks() < free_blocks_needed and len(policy):
+        while self.blocks.get_num_free_blocks() + len(self.copy_sources) < free_blocks_needed and len(policy):
             now = time.monotonic()
             slot = policy.pop_victim(now)
             if slot is None:

@@ -194,16 +194,6 @@ class RankLoop:
         m = self.worker.cache.cache.match(hashes[:n])
         return CacheLookup(prompt_len, m.device_blocks * KVSTORE_GRAIN, m.host_blocks * KVSTORE_GRAIN)
 
-    def rpc_placement(self, hashes: list, prompt_len: int) -> tuple[int, int]:
-        """(blocks of the prompt this rank can resume, of those the device hits no request holds:
-        pinning them for the turn takes them out of the evictable pool)."""
-        n = self.rpc_resumable(hashes, prompt_len)
-        cache = self.worker.cache.cache
-        device = cache.match(hashes[:n]).device_blocks
-        pool = cache.pool
-        idle = sum(1 for key in hashes[:device] if pool.refcount[pool.index[key]] == 0)
-        return n, idle
-
     def rpc_load(self) -> EngineLoad:
         w = self.worker
         live = list(w.live.values())
@@ -232,12 +222,22 @@ class RankLoop:
         engine = w.engine
         free_states = engine.state_manager.get_num_free_blocks() if engine.state_manager is not None else 0
         total_states = engine.cache_config.num_state_seqs
+        # engine blocks in the tables of the sequences the engine holds (the patched binding):
+        # blocks in use = these + the cache's pinned blocks - the blocks counted in both
+        in_sequences = {b for r in w.live.values() if r.admitted for b in r.seq.block_table}
         return {
             "rank": self.spec.rank, "live": len(w.live), "pending": len(w.pending),
             "blocks_total": w.total_blocks, "blocks_free": w.blocks.get_num_free_blocks(),
-            "blocks_pinned": w.cache.num_pinned, "state_slots_total": total_states,
+            "blocks_pinned": w.cache.num_pinned, "blocks_in_sequences": len(in_sequences),
+            "blocks_pinned_in_sequences": len(in_sequences & set(w.cache.bound.values())),
+            "blocks_copy_sources": len(w.cache.copy_sources),
+            "state_slots_total": total_states,
             "state_slots_free": free_states, "state_slots_free_at_start": self.initial_free_states,
             "engine_unfinished": engine.get_num_unfinished_requests(),
             "steps": self.steps, "placeholder_steps": self.placeholder_steps,
             "forward_tokens": getattr(engine.driver_worker.model_runner, "forward_tokens", None),
+            # the step settings DeepInfer's own SchedulerConfig took (config.py:185-206)
+            "max_num_batched_tokens": engine.scheduler_config.max_num_batched_tokens,
+            "prefill_attempt_interval": engine.scheduler_config.prefill_attempt_interval,
+            "prefill_any_attempt_interval": engine.scheduler_config.prefill_any_attempt_interval,
         }  # fmt: skip

@@ -16,6 +16,10 @@ class EmbeddedEngineConfig:
     block_size: int = 16
     max_num_seqs: int = 8
     max_prefill_tokens_per_step: int = 512  # chunked-prefill token budget per engine step
+    # A prefill too long to finish in one step runs at most this many tokens a step. A request
+    # that arrives during a step waits for the step to end, and every decode token with it: this
+    # bounds how long a warm turn waits behind a cold prompt's chunk.
+    long_prefill_chunk_tokens: int = 256
     num_threads: int | None = None  # torch.set_num_threads; None leaves torch's default
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when present)
     model_name: str | None = None  # served name; default: the ModelConfig's name
@@ -38,6 +42,8 @@ class EmbeddedEngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_prefill_tokens_per_step <= 0:
             raise ValueError("max_prefill_tokens_per_step must be >= 1")
+        if self.long_prefill_chunk_tokens <= 0:
+            raise ValueError("long_prefill_chunk_tokens must be >= 1")
         if self.batch_invariance not in ("all", "greedy", "off"):
             raise ValueError(f"batch_invariance must be all, greedy or off, got {self.batch_invariance!r}")
         if self.weights not in ("fp32", "int8"):

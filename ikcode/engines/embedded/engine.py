@@ -1,8 +1,10 @@
 """EmbeddedEngine: the Engine protocol over a PyTorch model, a paged KV pool and the prefix cache.
 
-One engine thread owns every model call and every cache mutation. `submit` validates on the
-caller's thread (typed errors with the numbers) and hands the sequence over through an inbox.
-Each step: schedule, one forward over the batch, sample, emit events, release what is due.
+One engine thread owns every model call, every cache mutation and every event. `submit`
+validates on the caller's thread (typed errors with the numbers) and adds the sequence to the
+scheduler, which holds every sequence from submit to release and its status (one table, under
+`_lock`); `abort` only marks it there. Each step: end what was aborted, schedule, one forward over
+the batch, sample, emit events, release what is due.
 
 Lifecycle: FINISHED (last token out) comes before RELEASED (blocks back to the cache, cache
 entries committed). Until release the sequence keeps its blocks, and nothing of it is committed:
@@ -18,7 +20,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import deque
 
 import torch
 
@@ -42,7 +43,7 @@ from ikcode.engines.base import (
 from ikcode.engines.embedded.config import EmbeddedEngineConfig
 from ikcode.engines.embedded.kv_pools import build_kv_pools, resolve_device
 from ikcode.engines.embedded.sampler import sample
-from ikcode.engines.embedded.scheduler import Scheduler, committable_hashes
+from ikcode.engines.embedded.scheduler import ScheduledSeq, Scheduler, committable_hashes
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
 from ikcode.model.config import ModelConfig
 
@@ -60,32 +61,30 @@ class EmbeddedEngine:
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model_config = mc = model_config
+        self.model_config = model_config
         self.device = resolve_device(config.device)
-        bs = config.block_size
-        pools = build_kv_pools(mc, state_dict, config, self.device)
+        block_size = config.block_size
+        pools = build_kv_pools(model_config, state_dict, config, self.device)
         self.runner, self.cache, self.num_blocks = pools.runner, pools.cache, pools.num_blocks
         self.scheduler = Scheduler(
-            self.cache, config.max_num_seqs, config.max_prefill_tokens_per_step, on_admit=self._on_admit
+            self.cache,
+            config.max_num_seqs,
+            config.max_prefill_tokens_per_step,
+            config.long_prefill_chunk_tokens,
         )
         # A sequence must fit the pool on its own, or preemption could never make room for it.
-        self.context_window = min(mc.max_position_embeddings, self.num_blocks * bs)
+        self.context_window = min(model_config.max_position_embeddings, self.num_blocks * block_size)
         self._info = EngineInfo(
-            model_name=config.model_name or mc.name,
+            model_name=config.model_name or model_config.name,
             context_window=self.context_window,
-            vocab_size=mc.vocab_size,
-            eos_token_ids=tuple(mc.eos_token_ids),
-            block_size=bs,
+            vocab_size=model_config.vocab_size,
+            eos_token_ids=tuple(model_config.eos_token_ids),
+            block_size=block_size,
             kind="embedded",
             device=str(self.device),
         )
-        self._lock = threading.Lock()  # inbox, aborts, live sequences, cache reads from callers
+        self._lock = threading.Lock()  # the scheduler (every sequence's state) and the cache
         self._wake = threading.Event()
-        self._inbox: deque[Sequence] = deque()
-        self._aborts: list[str] = []
-        self._live: dict[str, Sequence] = {}  # submitted and not yet released
-        self._pending_release: list[Sequence] = []
-        self._admitted: list[Sequence] = []  # admitted this step, ADMITTED not yet emitted
         self._listeners: list[LifecycleListener] = []
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -107,9 +106,8 @@ class EmbeddedEngine:
         self._stopping = True
         deadline = time.monotonic() + drain_timeout_s
         while time.monotonic() < deadline and self._thread is not None and self._thread.is_alive():
-            with self._lock:
-                if not self._live:
-                    break
+            if self.idle():
+                break
             time.sleep(0.01)
         self._abort_all = True
         self._wake.set()
@@ -126,18 +124,17 @@ class EmbeddedEngine:
         limit = min(self.context_window, len(prompt) + request.sampling.max_tokens)
         seq = Sequence(request, stream, max_total_tokens=limit)
         with self._lock:
-            if self._stopping:  # checked again where the inbox is: shutdown may have begun
+            if self._stopping:  # checked again under the lock: shutdown may have begun
                 raise EngineShutdown()
-            if request.request_id in self._live:
+            if self.scheduler.get(request.request_id) is not None:
                 raise EngineError(f"request id {request.request_id!r} is already in use")
-            self._live[request.request_id] = seq
-            self._inbox.append(seq)
+            self.scheduler.add(seq)
         self._wake.set()
         return stream
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._aborts.append(request_id)
+            self.scheduler.request_abort(request_id)
         self._wake.set()
 
     def lookup(
@@ -160,8 +157,8 @@ class EmbeddedEngine:
             # O(1), where counting the index took a pass over every cached block per call.
             cached = len(self.cache.pool.policy)
             return EngineLoad(
-                running=len(self.scheduler.running),
-                waiting=len(self.scheduler.waiting) + len(self._inbox),
+                running=len(self.scheduler.with_status(SequenceStatus.RUNNING)),
+                waiting=len(self.scheduler.with_status(SequenceStatus.WAITING)),
                 kv_blocks_total=self.num_blocks,
                 kv_blocks_used=self.num_blocks - self.cache.num_free_blocks(),
                 kv_blocks_cached=cached,
@@ -172,7 +169,7 @@ class EmbeddedEngine:
     def idle(self) -> bool:
         """No request queued, running, or finished but not yet released."""
         with self._lock:
-            return not self._live
+            return not self.scheduler.has_work()
 
     def add_listener(self, listener: LifecycleListener) -> None:
         self._listeners.append(listener)
@@ -180,17 +177,12 @@ class EmbeddedEngine:
     # ---- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                new, self._inbox = list(self._inbox), deque()
-                aborts, self._aborts = self._aborts, []
-            for seq in new:
-                self.scheduler.add(seq)
-            for request_id in aborts:
-                self._abort_now(request_id)
             if self._abort_all:
                 self._abort_everything()
                 return
-            if not self.scheduler.has_work() and not self._pending_release:
+            with self._lock:
+                busy = self.scheduler.has_work()
+            if not busy:
                 self._wake.wait(self.config.idle_wait_s)
                 self._wake.clear()
                 continue
@@ -198,39 +190,51 @@ class EmbeddedEngine:
                 self.step()
             except Exception as exc:  # never let the thread die: fail what was running
                 logger.exception("engine step failed")
-                for seq in list(self.scheduler.running):
+                with self._lock:
+                    running = self.scheduler.with_status(SequenceStatus.RUNNING)
+                for seq in running:
                     self._fail(seq, exc)
 
     @torch.inference_mode()
     def step(self) -> None:
-        """One engine step: schedule, one forward over the batch, sample, release what is due."""
+        """One engine step: end what was aborted, schedule, one forward over the batch, sample,
+        release what is due. The engine thread loops over it; tests call it directly."""
         self.steps += 1
         with self._lock:
-            scheduled = self.scheduler.schedule()
-            admitted, self._admitted = self._admitted, []
+            aborted = self.scheduler.take_aborted()
+        for seq in aborted:
+            self._finish(seq, FinishReason.ABORT, [])
+        with self._lock:
+            plan = self.scheduler.schedule()
         # Listeners run outside the lock: one that calls back into the engine (load()) must not
         # deadlock the engine thread.
-        for seq in admitted:
+        for seq in plan.admitted:
             self._emit(LifecycleKind.ADMITTED, seq)
-        if scheduled:
+        if plan.scheduled:
+            self._run(plan.scheduled)
+        with self._lock:
+            due = self.scheduler.due(self.steps)
+        for seq in due:
+            self._release(seq)
+
+    def _run(self, scheduled: list[ScheduledSeq]) -> None:
+        try:
+            logits, which = self.runner.run(scheduled)
+        except Exception as exc:
+            logger.exception("forward failed for %d sequences", len(scheduled))
+            for item in scheduled:
+                self._fail(item.seq, exc)
+            return
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_tokens
+        for row, index in enumerate(which):
+            seq = scheduled[index].seq
             try:
-                logits, which = self.runner.run(scheduled)
+                self._append_token(
+                    seq, sample(logits[row], seq.request.sampling, seq.generator, seq.token_ids)
+                )
             except Exception as exc:
-                logger.exception("forward failed for %d sequences", len(scheduled))
-                for item in scheduled:
-                    self._fail(item.seq, exc)
-            else:
-                for item in scheduled:
-                    item.seq.num_computed_tokens += item.num_tokens
-                for row, index in enumerate(which):
-                    seq = scheduled[index].seq
-                    try:
-                        self._append_token(
-                            seq, sample(logits[row], seq.request.sampling, seq.generator, seq.token_ids)
-                        )
-                    except Exception as exc:
-                        self._fail(seq, exc)
-        self._release_due()
+                self._fail(seq, exc)
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)
@@ -260,10 +264,10 @@ class EmbeddedEngine:
         self, seq: Sequence, reason: FinishReason, tokens: list[int], error: EngineError | None = None
     ) -> None:
         """Final event now; the blocks go back at release (now for errors and aborts)."""
-        was_running = seq.status is SequenceStatus.RUNNING
+        holds_blocks = seq.status is SequenceStatus.RUNNING
+        normal = error is None and reason is not FinishReason.ABORT
         with self._lock:
-            self.scheduler.remove(seq)
-        seq.status = SequenceStatus.FINISHED
+            self.scheduler.finish(seq, self.release_step(seq) if normal else self.steps)
         seq.finish_reason = reason
         seq.stats.finished_at = time.monotonic()
         seq.stats.output_tokens = seq.num_output_tokens
@@ -278,16 +282,14 @@ class EmbeddedEngine:
                 error=error,
             )
         )
-        if not was_running:
-            self._forget(seq)  # never held blocks
-            return
-        if error is not None:
+        if not holds_blocks:  # never admitted: nothing to give back or commit
+            with self._lock:
+                self.scheduler.release(seq, [])
+        elif error is not None:
             self._release(seq, commit=False)  # its K/V may be garbage: free without committing
         elif reason is FinishReason.ABORT:
             self._release(seq)
-        else:
-            seq.release_at_step = self.release_step(seq)
-            self._pending_release.append(seq)
+        # else: released by step() when its release step comes
 
     # ---- what a finished sequence gives back, and when (subclasses reproduce other engines) ---
     def release_step(self, seq: Sequence) -> int:
@@ -299,13 +301,6 @@ class EmbeddedEngine:
         is valid."""
         return committable_hashes(seq, self.config.block_size)
 
-    def _release_due(self) -> None:
-        due = [s for s in self._pending_release if s.release_at_step <= self.steps]
-        if due:
-            self._pending_release = [s for s in self._pending_release if s.release_at_step > self.steps]
-            for seq in due:
-                self._release(seq)
-
     def _release(self, seq: Sequence, commit: bool = True) -> None:
         committed = self.blocks_to_commit(seq) if commit else []
         request = seq.request
@@ -313,19 +308,9 @@ class EmbeddedEngine:
         normal = seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         hold_s = request.hold_tail_s if normal else None
         with self._lock:
-            self.cache.release(
-                seq.seq_id, committed, session_id=request.session_id, hold_s=hold_s, step=normal
-            )
-        seq.block_table = []
-        seq.status = SequenceStatus.RELEASED
+            self.scheduler.release(seq, committed, session_id=request.session_id, hold_s=hold_s, step=normal)
         seq.stats.released_at = time.monotonic()
         self._emit(LifecycleKind.RELEASED, seq)
-        self._forget(seq)
-
-    def _forget(self, seq: Sequence) -> None:
-        with self._lock:
-            if self._live.get(seq.seq_id) is seq:
-                del self._live[seq.seq_id]
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         if seq.status not in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
@@ -333,26 +318,15 @@ class EmbeddedEngine:
         error = exc if isinstance(exc, EngineError) else EngineError(f"internal engine error: {exc!r}")
         self._finish(seq, FinishReason.ERROR, [], error)
 
-    def _abort_now(self, request_id: str) -> None:
-        with self._lock:
-            seq = self._live.get(request_id)
-        if seq is not None and seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
-            self._finish(seq, FinishReason.ABORT, [])
-
     def _abort_everything(self) -> None:
-        with self._lock:  # anything submitted after this iteration took the inbox
-            late, self._inbox = list(self._inbox), deque()
-        for seq in late:
-            self.scheduler.add(seq)
-        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(seq, FinishReason.ABORT, [], EngineShutdown())
-        for seq in list(self._pending_release):
-            self._release(seq)
-        self._pending_release = []
-
-    def _on_admit(self, seq: Sequence) -> None:  # called under the lock: emitted after it
-        if seq.num_preemptions == 0:
-            self._admitted.append(seq)
+        """Shutdown's last pass: end every sequence still known, release every finished one."""
+        with self._lock:
+            live = list(self.scheduler.seqs.values())
+        for seq in live:
+            if seq.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING):
+                self._finish(seq, FinishReason.ABORT, [], EngineShutdown())
+            elif seq.status is SequenceStatus.FINISHED:
+                self._release(seq)
 
     def _emit(self, kind: LifecycleKind, seq: Sequence) -> None:
         event = LifecycleEvent(kind, seq.seq_id, time.monotonic(), dataclasses.replace(seq.stats))

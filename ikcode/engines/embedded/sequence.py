@@ -13,10 +13,12 @@ from ikcode.engines.base import EngineRequest, FinishReason, RequestStats, Reque
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence stands; only the Scheduler, which holds every live sequence, changes it."""
+
     WAITING = "waiting"  # queued, holds no blocks
     RUNNING = "running"  # holds blocks; prefilling or decoding
     FINISHED = "finished"  # last token out; may still hold blocks until released
-    RELEASED = "released"  # blocks given back to the cache
+    RELEASED = "released"  # blocks given back to the cache; no longer in the scheduler
 
 
 @dataclass(eq=False)
@@ -33,6 +35,11 @@ class Sequence:
     finish_reason: FinishReason | None = None
     release_at_step: int = 0
     num_preemptions: int = 0
+    # Its long prefill sat out the last step for a tail (the scheduler lets it sit out one only).
+    prefill_passed_over: bool = False
+    # A caller asked to abort it; the engine thread ends it at its next step. A flag, not a
+    # queue of ids, so that the scheduler's table stays the one record of the sequence.
+    abort_requested: bool = False
     # Chained keys of the full blocks hashed so far. token_ids only ever grow, so a key once
     # computed stays right: admission retries (back-pressure), preemption and release reuse them.
     _block_hashes: list[BlockHash] = field(default_factory=list, repr=False)

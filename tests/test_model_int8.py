@@ -28,6 +28,23 @@ def test_rows_are_quantized_independently_and_stay_close():
     assert torch.equal(int8.linear(x[:4], packed)[1], int8.linear(x[1:3], packed)[0])
 
 
+def test_a_rows_result_is_bit_for_bit_the_same_in_any_batch():
+    """fbgemm takes one activation scale per call; each row is mapped onto [-1, 1] first, and the
+    scale must come out the same whatever rows share the call (a row's last bits included)."""
+    g = torch.Generator().manual_seed(1)
+    packed = int8.pack(torch.randn(96, 80, generator=g))
+    # Rows off centre: most map their [min, max] onto [-1, 1] only to within a rounding.
+    x = torch.randn(12, 96, generator=g) * torch.rand(12, 1, generator=g) * 10
+    x += torch.randn(12, 1, generator=g) * 20
+    full = int8.linear(x, packed)
+    rng = random.Random(0)
+    for _ in range(40):
+        rows = rng.sample(range(12), rng.randrange(2, 12))
+        out = int8.linear(x[rows], packed)
+        for i, row in enumerate(rows):
+            assert torch.equal(out[i], full[row]), f"row {row} changed with the batch {rows}"
+
+
 def test_engine_with_int8_weights_serves_concurrent_streams():
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(6)]

@@ -16,8 +16,8 @@ came from the cache or was computed, when:
   goes through the output layer alone;
 - a prompt row at position p is given exactly the keys [0, visible_keys(p)) (a fixed function of p,
   so the kernel's key tiling for that row never depends on how the prompt was chunked; keys past p
-  are masked), in an SDPA call whose last query tile is not a 1-3 row remainder
-  (`padded_query_rows`);
+  are masked), split at the same fixed point (`attend_group`), in SDPA calls whose last query tile
+  is not a 1-3 row remainder (`padded_query_rows`);
 - decode attention (one new token of a sequence that is generating) always takes the same shape:
   one query per head over exactly the sequence's keys, no mask, so it needs no padding at all.
 tests/test_engine_determinism.py checks the outcome token for token and K/V bit for bit.
@@ -32,8 +32,9 @@ Speed. Prompt rows are grouped by visible_keys (a multiple of QUERY_GROUP): rows
 skip the keys they cannot see (for a 512-token prompt from scratch, ~40% of the attention work),
 and a tail after a long cached prefix reads only up to its own group's end. GQA runs with the query
 heads that share a KV head stacked as rows of one SDPA head ([kv_heads, group * queries,
-head_dim]): no K/V repeat. The additive prompt masks are built once per step
-(`QueryGroup.mask`), not once per layer. A decode step reads only the blocks it really has, and a
+head_dim]): no K/V repeat. A prompt group's keys before its own QUERY_GROUP positions go through
+an unmasked call on views of the pool; only the last QUERY_GROUP keys carry a mask, built once per
+step (`QueryGroup.mask`), not once per layer. A decode step reads only the blocks it really has, and a
 sequence whose blocks are consecutive in the pool is read in place instead of gathered.
 """
 
@@ -77,9 +78,13 @@ class QueryGroup:
     num_rows: int  # real query rows
     query_rows: int  # queries per head given to SDPA (>= num_rows)
     num_keys: int  # keys given to SDPA (prompt: visible_keys; decode: exactly the real ones)
-    # Additive float mask [heads_per_kv_head * query_rows, num_keys] (0 = may attend, -inf = may
-    # not), rows in the stacked-GQA order; None: every query sees every key (a decode step).
+    # Additive float mask [heads_per_kv_head * query_rows, num_keys - masked_from] over keys
+    # [masked_from, num_keys) (0 = may attend, -inf = may not), rows in the stacked-GQA order;
+    # None: every query sees every key (a decode step).
     mask: torch.Tensor | None
+    # Keys before this one every query of the group sees. They are attended in their own unmasked
+    # call, read in place, and merged with the masked rest by log-sum-exp (`attend_group`).
+    masked_from: int = 0
 
 
 @dataclass
@@ -91,9 +96,6 @@ class SeqAttention:
     # block_ids[0] when the blocks are consecutive (block_ids[0], block_ids[0] + 1, ...): the keys
     # are then read in place (a view of the pool, same layout as a gathered copy), not copied.
     first_block: int | None = None
-    # Keys SDPA is given when a prompt group's visible_keys run past the sequence's blocks: the
-    # extra ones are zeros (masked), never another sequence's blocks.
-    num_padded_keys: int = 0
 
     def keys_and_values(
         self, k_pool: torch.Tensor, v_pool: torch.Tensor
@@ -103,13 +105,52 @@ class SeqAttention:
             end = self.first_block + self.block_ids.shape[0]
             k, v = k_pool[self.first_block : end], v_pool[self.first_block : end]
         else:
-            k, v = k_pool[self.block_ids], v_pool[self.block_ids]
+            k, v = gather_blocks(k_pool, self.block_ids), gather_blocks(v_pool, self.block_ids)
         shape = (-1, k_pool.shape[2], k_pool.shape[3])
         k, v = k.view(shape), v.view(shape)
-        padding = self.num_padded_keys - k.shape[0]
-        if padding > 0:
-            k, v = F.pad(k, (0, 0, 0, 0, 0, padding)), F.pad(v, (0, 0, 0, 0, 0, padding))
         return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+
+
+def gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """pool[block_ids] for a [num_blocks, ...] pool, as one row copy per block: index_select on
+    the flattened blocks (measured: 8 x 14 blocks of SmolLM2's pool, 30 us vs 88 us for
+    advanced indexing)."""
+    flat = pool.view(pool.shape[0], -1).index_select(0, block_ids.flatten())
+    return flat.view(*block_ids.shape, *pool.shape[1:])
+
+
+def attend_group(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: QueryGroup) -> torch.Tensor:
+    """SDPA of q [1, kv_heads, rows, head_dim] over the group's keys of k, v [1, kv_heads, keys,
+    head_dim] (a sequence's real keys: fewer than group.num_keys when a prompt group's
+    visible_keys run past its blocks; the missing ones are given as zeros, masked, never another
+    sequence's blocks).
+
+    With masked_from > 0 the keys every query sees (all but the last QUERY_GROUP of a prompt
+    group) go through an unmasked flash call on views of the pool and the masked rest through a
+    small one; the two are merged with their log-sum-exps. Measured on the 6,000 + 200 warm turn
+    (SmolLM2-135M, one thread): the attention ~20% faster than one call with a [rows, 6,144]
+    float mask, and the keys are no longer copied to pad them. Every step splits a row's keys at
+    the same point (a function of its position), so batch invariance holds as before."""
+    keys = group.num_keys
+    tail_k, tail_v = k[:, :, group.masked_from : keys], v[:, :, group.masked_from : keys]
+    padding = keys - group.masked_from - tail_k.shape[2]
+    if padding > 0:
+        tail_k, tail_v = F.pad(tail_k, (0, 0, 0, padding)), F.pad(tail_v, (0, 0, 0, padding))
+    if group.masked_from == 0:
+        return F.scaled_dot_product_attention(q, tail_k, tail_v, attn_mask=group.mask)
+    head, head_lse = _flash_cpu(q, k[:, :, : group.masked_from], v[:, :, : group.masked_from])
+    tail, tail_lse = _flash_cpu(q, tail_k, tail_v, attn_mask=group.mask)
+    # Softmax over all keys = the two partial ones weighted by softmax(head_lse, tail_lse). A
+    # row-wise softmax, not elementwise exp: the vectorized and scalar-remainder paths of an
+    # elementwise kernel round differently, and where a row falls depends on the row count.
+    weights = torch.softmax(torch.stack((head_lse, tail_lse), dim=-1), dim=-1).unsqueeze(-1)
+    return head * weights[..., 0, :] + tail * weights[..., 1, :]
+
+
+def _flash_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None):
+    """(output, log-sum-exp per query) of the CPU flash kernel that F.scaled_dot_product_attention
+    runs here (the public call does not return the log-sum-exp)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=attn_mask)
 
 
 @dataclass
@@ -127,8 +168,8 @@ class DecodeBatch:
     ) -> torch.Tensor:
         """q [n, heads, head_dim] -> [n, heads * head_dim]."""
         n, heads, head_dim = q.shape
-        k = k_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_pool[self.block_table].view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        k = gather_blocks(k_pool, self.block_table).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        v = gather_blocks(v_pool, self.block_table).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         # The query heads sharing a KV head as rows of one SDPA head: no K/V repeat.
         qq = q.view(n, num_kv_heads, heads // num_kv_heads, head_dim)
         out = F.scaled_dot_product_attention(qq, k, v, attn_mask=self.key_mask)
@@ -259,9 +300,7 @@ class DecoderLayer(nn.Module):
                 if qrows > n:
                     qq = F.pad(qq, (0, 0, 0, qrows - n))
                 qq = qq.reshape(1, kvh, group * qrows, hd)
-                keys = g.num_keys
-                o = F.scaled_dot_product_attention(qq, kk[:, :, :keys], vv[:, :, :keys], attn_mask=g.mask)
-                o = o.view(kvh, group, qrows, hd)[:, :, :n].permute(2, 0, 1, 3)
+                o = attend_group(qq, kk, vv, g).view(kvh, group, qrows, hd)[:, :, :n].permute(2, 0, 1, 3)
                 out[r0 : r0 + n] = o.reshape(n, self.q_size)
         if batch.decode is not None:
             d0 = batch.decode.row_start
@@ -362,14 +401,18 @@ class LlamaModel(nn.Module):
         a 4-row one); the others share one matmul (int8 when quantized), so the output layer is
         read once for all of them."""
         h = self.norm(hidden_rows)
-        out = torch.empty(h.shape[0], self.lm_head_t.shape[1], dtype=h.dtype, device=h.device)
         shared = [i for i, a in enumerate(alone) if not a]
+        if len(shared) == len(alone):  # no row alone: no scatter of [rows, vocab] into `out`
+            return self._shared_logits(h)
+        out = torch.empty(h.shape[0], self.lm_head_t.shape[1], dtype=h.dtype, device=h.device)
         if shared:
             index = torch.tensor(shared, device=h.device)
-            rows = h[index]
-            packed = self.lm_head_packed
-            out[index] = int8.linear(rows, packed) if packed is not None else torch.mm(rows, self.lm_head_t)
+            out[index] = self._shared_logits(h[index])
         for i, a in enumerate(alone):
             if a:
                 out[i] = torch.mm(h[i : i + 1], self.lm_head_t)[0]
         return out
+
+    def _shared_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        packed = self.lm_head_packed
+        return int8.linear(rows, packed) if packed is not None else torch.mm(rows, self.lm_head_t)

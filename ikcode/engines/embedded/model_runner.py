@@ -15,6 +15,7 @@ from ikcode.engines.embedded.scheduler import ScheduledSeq
 from ikcode.engines.embedded.sequence import Sequence
 from ikcode.model.config import ModelConfig
 from ikcode.model.llama import (
+    QUERY_GROUP,
     DecodeBatch,
     ForwardBatch,
     LlamaModel,
@@ -181,29 +182,31 @@ class ModelRunner:
             num_keys = visible_keys(p)
             num_rows = min(start + n, num_keys) - p
             query_rows = padded_query_rows(num_rows, group)
-            mask = self._mask(p, num_rows, query_rows, num_keys, group)
-            groups.append(QueryGroup(row0 + p - start, num_rows, query_rows, num_keys, mask))
+            # The keys before the group's own QUERY_GROUP positions are seen by all its rows:
+            # attended unmasked (llama.attend_group; the log-sum-exp merge needs the CPU kernel).
+            masked_from = num_keys - QUERY_GROUP if self.device.type == "cpu" else 0
+            mask = self._mask(p, num_rows, query_rows, masked_from, num_keys, group)
+            groups.append(QueryGroup(row0 + p - start, num_rows, query_rows, num_keys, mask, masked_from))
             p += num_rows
         blocks = table[: -(-(start + n) // self.block_size)]
-        return self._seq_attention(blocks, groups, num_padded_keys=groups[-1].num_keys)
+        return self._seq_attention(blocks, groups)
 
-    def _seq_attention(
-        self, blocks: list[int], groups: list[QueryGroup], num_padded_keys: int = 0
-    ) -> SeqAttention:
+    def _seq_attention(self, blocks: list[int], groups: list[QueryGroup]) -> SeqAttention:
         first = blocks[0]
         consecutive = blocks == list(range(first, first + len(blocks)))
-        return SeqAttention(self._ids(blocks), groups, first if consecutive else None, num_padded_keys)
+        return SeqAttention(self._ids(blocks), groups, first if consecutive else None)
 
     def _ids(self, xs: list[int]) -> torch.Tensor:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
 
-    def _mask(self, start: int, n: int, qrows: int, kpad: int, group: int) -> torch.Tensor:
-        """Additive causal mask for queries start..start+n over kpad keys, repeated for the group's
-        stacked query heads. Padding queries attend to key 0 only: no NaN rows."""
-        visible = torch.arange(kpad).unsqueeze(0) <= torch.arange(start, start + qrows).unsqueeze(1)
+    def _mask(self, start: int, n: int, qrows: int, first_key: int, end_key: int, group: int) -> torch.Tensor:
+        """Additive causal mask for queries start..start+n over keys first_key..end_key, repeated
+        for the group's stacked query heads. Padding queries attend to first_key only: no NaN rows."""
+        keys = torch.arange(first_key, end_key).unsqueeze(0)
+        visible = keys <= torch.arange(start, start + qrows).unsqueeze(1)
         visible[n:] = False
         visible[n:, 0] = True
-        mask = torch.zeros(qrows, kpad).masked_fill_(~visible, float("-inf"))
+        mask = torch.zeros(qrows, end_key - first_key).masked_fill_(~visible, float("-inf"))
         return mask.repeat(group, 1).to(self.device)
 
     @torch.inference_mode()

@@ -61,5 +61,11 @@ def sample(
         # Drop a token when the tokens before it already cover top_p (the first always stays).
         drop = (probs.cumsum(-1) - probs) >= params.top_p
         scores = scores.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    # Inverse CDF with one uniform draw: torch.multinomial draws one exponential per vocabulary
+    # entry (measured: ~0.7-2 ms a row for 49,152 entries on this CPU, several ms of every
+    # 8-stream decode step), the cumulative sum ~0.05 ms. right=True skips zero-probability
+    # tokens (their cumulative sum does not grow).
+    cumulative = torch.softmax(scores, dim=-1).cumsum(-1)
+    draw = torch.rand(1, generator=generator, dtype=cumulative.dtype) * cumulative[-1]
+    index = int(torch.searchsorted(cumulative, draw, right=True))
+    return min(index, cumulative.shape[-1] - 1)

@@ -20,8 +20,9 @@ import tests.test_engine_determinism as determinism
 from ikcode.engines.base import EngineRequest, SamplingParams
 from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 from ikcode.model.config import ModelConfig
-from ikcode.model.llama import ForwardBatch, LlamaModel, QueryGroup, RowGroup, SeqAttention
+from ikcode.model.llama import ForwardBatch, LlamaModel, RowGroup
 from ikcode.model.loader import LoadedModel, expected_shapes, load_model
+from ikcode.model.paged_attention import QueryGroup, SeqAttention
 from ikcode.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 
 # head_dim 48 while hidden / heads = 16: the two must not be confused anywhere.

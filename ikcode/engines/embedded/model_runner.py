@@ -14,13 +14,11 @@ import torch
 from ikcode.engines.embedded.scheduler import ScheduledSeq
 from ikcode.engines.embedded.sequence import Sequence
 from ikcode.model.config import ModelConfig
-from ikcode.model.llama import (
+from ikcode.model.llama import ForwardBatch, LlamaModel, RowGroup
+from ikcode.model.paged_attention import (
     QUERY_GROUP,
     DecodeBatch,
-    ForwardBatch,
-    LlamaModel,
     QueryGroup,
-    RowGroup,
     SeqAttention,
     padded_query_rows,
     visible_keys,
@@ -174,7 +172,7 @@ class ModelRunner:
         rows.row_groups.append(RowGroup(row, row + 1))
 
     def _prompt_attention(self, table: list[int], row0: int, start: int, n: int) -> SeqAttention:
-        """Rows start..start+n of a prompt, grouped by the keys they are given (llama.visible_keys)."""
+        """Rows start..start+n of a prompt, grouped by the keys they are given (visible_keys)."""
         group = self.cfg.num_heads // self.cfg.num_kv_heads
         groups: list[QueryGroup] = []
         p = start
@@ -183,7 +181,7 @@ class ModelRunner:
             num_rows = min(start + n, num_keys) - p
             query_rows = padded_query_rows(num_rows, group)
             # The keys before the group's own QUERY_GROUP positions are seen by all its rows:
-            # attended unmasked (llama.attend_group; the log-sum-exp merge needs the CPU kernel).
+            # attended unmasked (paged_attention.attend_group; the log-sum-exp merge needs the CPU kernel).
             masked_from = num_keys - QUERY_GROUP if self.device.type == "cpu" else 0
             mask = self._mask(p, num_rows, query_rows, masked_from, num_keys, group)
             groups.append(QueryGroup(row0 + p - start, num_rows, query_rows, num_keys, mask, masked_from))

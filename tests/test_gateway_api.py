@@ -20,6 +20,7 @@ from tests.test_gateway_api_support import (  # noqa: F401 (engine, server, ...:
     TOKENS,
     TOOL_CALL,
     assert_error,
+    assert_tool_result_reuses_the_reply,
     client,
     engine,
     post,
@@ -145,17 +146,7 @@ def test_tool_use_stream_and_round_trip(engine, tokenizer, tmp_path):
         assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
         # The client sends the turn back with the result: the generated ids are reused.
         gw = srv.server.config.app.state.gateway
-        hits = gw.renderer.store.stats()["reply_hits"]
-        follow_up = HELLO + [
-            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "x = 1"}],
-            },
-        ]
-        again = client.messages.create(model="tiny", max_tokens=200, messages=follow_up, tools=[READ_TOOL])
-        assert gw.renderer.store.stats()["reply_hits"] == hits + 1
-        assert again.stop_reason == "tool_use"
+        assert_tool_result_reuses_the_reply(client, gw, HELLO, message, tool, [READ_TOOL])
     finally:
         srv.stop()
     wait_idle(engine)

@@ -72,3 +72,19 @@ def assert_error(response: httpx.Response, status: int, error_type: str) -> dict
 def post(server, body, key: str | None = TOKENS["alice"], path: str = "/v1/messages", **kw) -> httpx.Response:
     headers = {"x-api-key": key} if key else {}
     return httpx.post(server.url + path, json=body, headers=headers, timeout=30, **kw)
+
+
+def assert_tool_result_reuses_the_reply(client, gateway, history, message, tool, tools) -> None:
+    """The client sends a tool_use turn back with its result: the reply's generated token ids are
+    reused (one reply-store hit), and the model answers with a tool call again."""
+    hits = gateway.renderer.store.stats()["reply_hits"]
+    follow_up = history + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "x = 1"}],
+        },
+    ]
+    again = client.messages.create(model="tiny", max_tokens=200, messages=follow_up, tools=tools)
+    assert gateway.renderer.store.stats()["reply_hits"] == hits + 1
+    assert again.stop_reason == "tool_use"

@@ -9,7 +9,13 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from tests.test_gateway_api_support import TOKENS, engine, serve, tokenizer  # noqa: F401 (fixtures)
+from tests.test_gateway_api_support import (  # noqa: F401 (fixtures)
+    TOKENS,
+    assert_tool_result_reuses_the_reply,
+    engine,
+    serve,
+    tokenizer,
+)
 from tests.test_gateway_support import ScriptedEngine, wait_idle
 
 HELLO = [{"role": "user", "content": "Show me the first lines of a.py"}]
@@ -56,17 +62,7 @@ def test_call_streams_and_round_trips(name, engine, tokenizer, tmp_path):
         assert len(deltas) >= 3  # one per argument, then the closing brace
         gw = srv.server.config.app.state.gateway
         assert gw.renderer.tool_format.name == name
-        hits = gw.renderer.store.stats()["reply_hits"]
-        follow_up = HELLO + [
-            {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
-            {
-                "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": tool.id, "content": "x = 1"}],
-            },
-        ]
-        again = client.messages.create(model="tiny", max_tokens=200, messages=follow_up, tools=[READ_TOOL])
-        assert gw.renderer.store.stats()["reply_hits"] == hits + 1
-        assert again.stop_reason == "tool_use"
+        assert_tool_result_reuses_the_reply(client, gw, HELLO, message, tool, [READ_TOOL])
     finally:
         srv.stop()
     wait_idle(engine)

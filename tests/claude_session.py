@@ -46,8 +46,27 @@ class Session:
 
     @property
     def problems(self) -> list[str]:
+        return self.problems_besides(set())
+
+    @property
+    def length_stops(self) -> set[int]:
+        """Turns the client gave up because the model kept writing past the server's answer cap
+        (its own max_tokens recovery ran out): a trait of the model's words, not of the serving."""
+        stops = set()
+        for i, turn in enumerate(self.turns):
+            try:
+                result = json.loads(turn["stdout"])
+            except ValueError:
+                continue
+            if isinstance(result, dict) and result.get("api_error") == "max_output_tokens":
+                stops.add(i)
+        return stops
+
+    def problems_besides(self, tolerated: set[int]) -> list[str]:
         found = []
         for i, turn in enumerate(self.turns):
+            if i in tolerated:
+                continue
             text = (turn["stdout"] + turn["stderr"]).lower()
             if turn["exit"] != 0:
                 found.append(

@@ -48,9 +48,11 @@ def compacting_claude(claude_bin) -> str:
     return claude_bin
 
 
-def _check(session, log, texts_tokens: int, window: int, block: int) -> None:
-    assert not session.problems, "\n".join(session.problems)
-    assert len(session.turns) >= 12
+def _check(session, log, texts_tokens: int, window: int, block: int, length_stops_allowed: int = 0) -> None:
+    tolerated = session.length_stops if len(session.length_stops) <= length_stops_allowed else set()
+    problems = session.problems_besides(tolerated)
+    assert not problems, "\n".join(problems)
+    assert len(session.turns) - len(tolerated) >= 12
     assert texts_tokens >= 3 * window, f"the turns' text is {texts_tokens} tokens, under 3x {window}"
     compactions, reuse = compactions_and_reuse(log, block)
     summaries = sum(1 for record in log if record.get("compaction"))
@@ -89,7 +91,10 @@ def test_8k_default_profile_long_session(tmp_path, compacting_claude, claude_hom
         log = read_log(daemon.request_log_file())
     finally:
         ikcode("down")
-    _check(session, log, total, 8192, 16)
+    # A 135M model sometimes writes on past the 160-token cap turn after turn, and the client gives
+    # the turn up (api_error max_output_tokens): its words, not the serving. Two such turns of 17
+    # pass; every other turn must end well and the compaction checks hold as before.
+    _check(session, log, total, 8192, 16, length_stops_allowed=2)
 
 
 def test_32k_embedded_engine_long_session(tmp_path, compacting_claude, claude_home):

@@ -35,10 +35,14 @@ class ScriptedEngine:
     """The real engine runs every request (KV, cache, lifecycle), but the ids handed back are a
     script: a random tiny model never writes a tool call, so this is how a test gets one."""
 
-    def __init__(self, inner: EmbeddedEngine, script: list[int], delay_s: float = 0.0):
+    def __init__(self, inner: EmbeddedEngine, script: list[int], delay_s: float = 0.0, pace_s: float = 0.0):
         self.inner = inner
         self.script = list(script)
         self.delay_s = delay_s  # hold the first event back (a long prefill, for pings)
+        # Hold each later event back too: a tiny model on a fast machine writes 2,000 tokens in about
+        # a second, and a test that needs a request still running later must not race it.
+        self.pace_s = pace_s
+        self._aborted: set[str] = set()
 
     @property
     def info(self) -> EngineInfo:
@@ -61,6 +65,18 @@ class ScriptedEngine:
             time.sleep(self.delay_s)
             pos = 0
             for event in inner_stream:
+                time.sleep(self.pace_s)
+                if request.request_id in self._aborted and not event.finished:
+                    # As an engine does: an abort ends the stream with a final ABORT event, even
+                    # when the inner run already finished and only the paced relay is behind.
+                    for _ in inner_stream:  # to the inner final event, which carries the stats
+                        pass
+                    final = inner_stream.final or event
+                    ended = dataclasses.replace(
+                        final, token_ids=[], finished=True, finish_reason=FinishReason.ABORT
+                    )
+                    outer.put(ended)
+                    return
                 ids = self.script[pos : pos + len(event.token_ids)]
                 pos += len(event.token_ids)
                 reason = event.finish_reason
@@ -72,6 +88,7 @@ class ScriptedEngine:
         return outer
 
     def abort(self, request_id: str) -> None:
+        self._aborted.add(request_id)
         self.inner.abort(request_id)
 
     def lookup(self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes=None) -> CacheLookup:

@@ -178,6 +178,8 @@ def simulate_limit(
                 "p95": report["ttft"]["p95"],
                 "cached_token_share": report["cached_token_share"],
                 "failed": report["failed"],
+                # New sessions that waited for a slot: admission holds the sessions at plan's limit.
+                "sessions_waited": report["admission"].get("sessions_waited", 0),
             }
         )
     return rows

@@ -57,7 +57,8 @@ class AdmissionConfig:
     # session keeps it through its tool runs (lognormal, median 4 s in the bench: 2% of pauses are
     # over 30 s, 0.03% over 120 s). A session released while it was only pausing gets a slot back
     # at once, but its slot went to a new session, whose cold read then runs on top of the limit:
-    # at 200 x 500K with 30 s, that raised the median of every turn from 1.7 s to 3.0 s.
+    # at 200 x 500K with 30 s, the median of every turn was 3.1 s instead of 1.7 s
+    # (bench/simulate_trace.py --set session_idle_s=30 shows it).
     session_idle_s: float = 120.0
     max_queue: int = 100_000  # beyond this even warm work is refused (EngineOverloaded)
 

@@ -23,7 +23,9 @@ server reading C per second cycle in no less than N x R / C; `plan` prints the l
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Any
 
 from ikcode.bench.hardware import HardwareModel
@@ -132,6 +134,21 @@ def plan(
     }
 
 
+def session_limit(
+    hw: HardwareModel, engine_schedule: dict[str, int] | None = None, load: PlanLoad | None = None
+) -> Callable[[int], int]:
+    """Admission's limit on sessions active at once: plan's most agents at a conversation size
+    (its tokens at the first turn), the number `ikcode plan` prints for it."""
+
+    @lru_cache(maxsize=1024)
+    def at(context_thousands: int) -> int:
+        result = plan(hw, max(1, context_thousands * 1000), 0, load, engine_schedule)
+        return int(result["max_agents_at_this_size"])
+
+    # Sizes 1,000 tokens apart give the same limit to within an agent; the cache keeps it cheap.
+    return lambda context_tokens: at(round(context_tokens / 1000))
+
+
 def simulate_limit(
     hw: HardwareModel,
     context_tokens: int,
@@ -161,6 +178,8 @@ def simulate_limit(
                 "p95": report["ttft"]["p95"],
                 "cached_token_share": report["cached_token_share"],
                 "failed": report["failed"],
+                # New sessions that waited for a slot: admission holds the sessions at plan's limit.
+                "sessions_waited": report["admission"].get("sessions_waited", 0),
             }
         )
     return rows

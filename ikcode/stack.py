@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,7 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
         admission = AdmissionConfig.from_dict(profile.admission)
     except (TypeError, ValueError) as err:
         raise daemon.DaemonError(f"profile {profile.source}: {err}") from None
+    session_limit = _session_limit(profile)
     try:
         if profile.engine == "deepinfer":
             engine, tokenizer, description = _deepinfer_engine(profile, model_path)
@@ -90,10 +92,25 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
             engine, tokenizer, description = _embedded_engine(profile, model_path)
     except ModelLoadError as err:
         raise daemon.DaemonError(str(err)) from None
-    controller = AdmissionController(engine, admission)
+    controller = AdmissionController(engine, admission, session_limit=session_limit)
     controller.start()
     window = min(profile.context_window, engine.info.context_window)
     return Stack(controller, tokenizer, window, description)
+
+
+def _session_limit(profile: Profile) -> Callable[[int], int] | None:
+    """The most sessions at once `ikcode plan` gives the profile's [hardware] figures (admission
+    applies it when its max_active_sessions is "plan"); None without figures."""
+    if not profile.hardware:
+        return None
+    from ikcode.bench.hardware import HardwareModel, adapter_schedule
+    from ikcode.plan import session_limit
+
+    try:
+        hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
+    except (TypeError, ValueError) as err:
+        raise daemon.DaemonError(f"profile {profile.source}: {err}") from None
+    return session_limit(hw, adapter_schedule(profile))
 
 
 def cache_salting(profile: Profile) -> bool | None:

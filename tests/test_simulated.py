@@ -6,11 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ikcode.admission import AdmissionConfig
-from ikcode.bench.hardware import HardwareModel
+from ikcode.bench.hardware import HardwareModel, adapter_schedule
 from ikcode.bench.rank import SimRequest
 from ikcode.bench.server import SimulatedServer
 from ikcode.bench.simulate import run_simulation
 from ikcode.bench.workload import AgentsWorkload
+from ikcode.plan import plan
 from ikcode.profiles import load_profile
 
 
@@ -113,3 +114,21 @@ def test_steady_section_counts_turns_after_every_first_turn():
     since = report["steady"]["from_s"]
     assert since is not None and since > 0
     assert report["steady"]["ttft"]["n"] + report["startup"]["ttft"]["n"] == report["completed"]
+
+
+def test_admission_holds_200_x_500k_within_1_5x_of_the_median_at_plans_limit():
+    """200 agents of 500K on 4x B200: plan says 138 fit. Admission holds the sessions active at once
+    there (the others wait for a slot, shed once with 529 + retry-after, then queued), so the median
+    turn, timed from each turn's first attempt, stays within 1.5x of the median at the limit, with
+    no failed turn."""
+    profile = load_profile("deepinfer-4xb200")
+    hw, schedule = hardware(), adapter_schedule(profile)
+    limit = plan(hw, 500_000, 200, engine_schedule=schedule)["max_agents_at_this_size"]
+    ikcode = AdmissionConfig.from_dict(profile.admission, policy="ikcode")
+    load = AgentsWorkload(agents=limit, context_tokens=500_000)
+    at_limit = run_simulation(hw, ikcode, load, engine_schedule=schedule)
+    over = run_simulation(hw, ikcode, replace(load, agents=200), engine_schedule=schedule)
+    assert at_limit["admission"]["sessions_waited"] == 0
+    assert over["admission"]["sessions_waited"] >= 200 - limit
+    assert over["failed"] == 0 and over["shed_retries"] > 0
+    assert over["ttft"]["p50"] <= 1.5 * at_limit["ttft"]["p50"], (at_limit["ttft"], over["ttft"])

@@ -47,6 +47,19 @@ class AdmissionConfig:
     # Hold requests in admission (instead of the engine's own queue) while the engine's device
     # KV memory cannot take them; the order of admission then decides who gets memory.
     memory_gate: bool = True
+    # Sessions active at once (ikcode.admission.sessions): "plan" = the most agents `ikcode plan`
+    # computes for the profile's [hardware] figures at the size of the conversations in progress
+    # (no limit for a profile without them); a number = that many; 0 = no limit. A new session
+    # past it waits for a slot (shed once with 529 + retry-after, then queued): past plan's limit
+    # every turn of every session slows, where this way only a new session's first turn waits.
+    max_active_sessions: int | str = "plan"
+    # A session holds its slot this long after its last request ended: long enough that a working
+    # session keeps it through its tool runs (lognormal, median 4 s in the bench: 2% of pauses are
+    # over 30 s, 0.03% over 120 s). A session released while it was only pausing gets a slot back
+    # at once, but its slot went to a new session, whose cold read then runs on top of the limit:
+    # at 200 x 500K with 30 s, the median of every turn was 3.1 s instead of 1.7 s
+    # (bench/simulate_trace.py --set session_idle_s=30 shows it).
+    session_idle_s: float = 120.0
     max_queue: int = 100_000  # beyond this even warm work is refused (EngineOverloaded)
 
     def __post_init__(self) -> None:
@@ -56,6 +69,11 @@ class AdmissionConfig:
             raise ValueError("max_cold_prefills must be >= 1 (cold work must always progress)")
         if not (0.0 < self.cold_share <= 1.0):
             raise ValueError(f"cold_share must be in (0, 1], got {self.cold_share}")
+        limit = self.max_active_sessions
+        if limit != "plan" and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f'max_active_sessions must be "plan" or a number >= 0, got {limit!r}')
+        if self.session_idle_s < 0:
+            raise ValueError(f"session_idle_s must be >= 0, got {self.session_idle_s}")
         if not (1 <= self.max_retry_after_s <= 60):
             raise ValueError("max_retry_after_s must be in [1, 60]: clients ignore longer waits")
 

@@ -34,6 +34,7 @@ from ikcode.engines.base import (
 from .config import AdmissionConfig
 from .gate import RankGate, num_ranks
 from .policy import AdmissionPolicy, Ticket
+from .sessions import SessionLimit
 
 
 class AdmissionController:
@@ -42,9 +43,12 @@ class AdmissionController:
         engine: Engine,
         config: AdmissionConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
+        session_limit: SessionLimit | None = None,
     ):
+        """session_limit: the most sessions active at once for a conversation size (the serving
+        stack passes ikcode.plan.session_limit for a profile with [hardware] figures)."""
         self.engine = engine
-        self.policy = AdmissionPolicy(config)
+        self.policy = AdmissionPolicy(config, session_limit)
         self.policy.num_ranks = num_ranks(engine)
         self.clock = clock
         self._cv = threading.Condition()
@@ -179,7 +183,7 @@ class AdmissionController:
             with self._cv:
                 self._starting.discard(request_id)
                 self._abort_on_start.discard(request_id)
-                self.policy.on_done(request_id)  # or its cold slot would stay taken
+                self.policy.on_done(request_id, self.clock())  # or its cold slot would stay taken
                 self._cv.notify_all()
             if outer is not None:
                 err = exc if isinstance(exc, EngineError) else EngineError(f"internal engine error: {exc!r}")
@@ -199,7 +203,7 @@ class AdmissionController:
         for event in inner:
             outer.put(event)
         with self._cv:
-            self.policy.on_done(inner.request_id)
+            self.policy.on_done(inner.request_id, self.clock())
             self._cv.notify_all()
 
     def _fail(self, request_id: str, err: EngineError) -> None:
@@ -221,5 +225,5 @@ class AdmissionController:
                 self._cv.notify_all()
         elif event.kind in (LifecycleKind.FINISHED, LifecycleKind.RELEASED):
             with self._cv:
-                self.policy.on_done(event.request_id)
+                self.policy.on_done(event.request_id, self.clock())
                 self._cv.notify_all()

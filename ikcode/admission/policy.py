@@ -6,11 +6,13 @@ behind the real gateway (wall clock) and inside the simulator (virtual clock).
 Decisions:
   offer()        classify and predict TTFT at arrival; shed a NEW session's cold request whose
                  predicted TTFT exceeds the bound and that no rank can start now
-                 (EngineOverloaded -> 529 + retry-after = its predicted wait);
+                 (EngineOverloaded -> 529 + retry-after = its predicted wait), or a new session
+                 when the sessions active at once are at plan's limit (admission.sessions);
                  a session is deferred at most once (its retry is queued).
   admit()        which queued requests enter the engine now: warm first, aged cold ranked with
-                 warm, at most max_cold_prefills cold ones prefilling at once on each rank, and
-                 on each rank in order while its memory lasts (the gate says where and whether).
+                 warm, a new session only while the active ones are under the limit, at most
+                 max_cold_prefills cold ones prefilling at once on each rank, and on each rank
+                 in order while its memory lasts (the gate says where and whether).
   plan_prefill() how an engine that asks splits one step's prefill budget: warm tails first,
                  cold work guaranteed cold_share of it.
 """
@@ -27,6 +29,7 @@ from ikcode.engines.base import CacheLookup, EngineOverloaded
 
 from .config import AdmissionConfig
 from .rate import PrefillRateEstimator
+from .sessions import SessionLimit, SessionSlots
 from .stats import ClassWaits
 
 
@@ -48,6 +51,8 @@ class Ticket:
     admitted_at: float | None = None
     sharing: int = 1  # prefills on its rank when this one was admitted (rate estimate)
     rank: int = 0  # the engine rank it runs on (data-parallel engines; else 0)
+    new_session: bool = False  # its session holds no slot (admission.sessions)
+    needs_slot: bool = False  # a new session that found no slot free: it waits for one
     payload: Any = None  # what the caller needs to submit it (EngineRequest, simulated request)
 
     def aged(self, now: float, aging_s: float) -> bool:
@@ -63,10 +68,13 @@ class Gate(Protocol):
 
 
 class AdmissionPolicy:
-    def __init__(self, config: AdmissionConfig | None = None):
+    def __init__(self, config: AdmissionConfig | None = None, session_limit: SessionLimit | None = None):
+        """session_limit: the most sessions active at once for conversations of a given size
+        (ikcode.plan.session_limit on the profile's [hardware]); used when the config says "plan"."""
         self.config = config or AdmissionConfig()
         c = self.config
         self.fifo = c.policy == "fifo"
+        self.slots = SessionSlots(_limit(c, session_limit), c.session_idle_s, c.session_memory_s)
         self.rate = PrefillRateEstimator(c.prefill_tokens_per_s, c.rate_ema_alpha, c.rate_min_tokens)
         self.queue: list[Ticket] = []  # waiting, arrival order
         self.inflight: dict[str, Ticket] = {}  # admitted, first token not yet out
@@ -109,6 +117,20 @@ class AdmissionPolicy:
         c = self.config
         if len(self.queue) >= c.max_queue:
             raise EngineOverloaded(f"admission queue full ({c.max_queue})", c.max_retry_after_s)
+        if self._needs_slot(ticket, now):
+            ticket.needs_slot = True
+            if c.shed and not ticket.running_session:
+                self._defer(ticket, now)
+                free_s = self.slots.seconds_to_free(now, self._queued_sessions())
+                retry = c.max_retry_after_s if free_s is None else min(c.max_retry_after_s, math.ceil(free_s))
+                retry = max(c.min_retry_after_s, retry)
+                raise EngineOverloaded(
+                    f"{self.slots.num_active()} sessions are active, the most this server carries "
+                    f"at this conversation size; retry in {retry} s",
+                    retry_after_s=retry,
+                )
+            self.queue.append(ticket)  # its retry, or no shedding: it waits for a slot here
+            return
         wait_s = self.predict_wait(ticket, now)
         ticket.predicted_ttft_s = wait_s + self.prefill_seconds(ticket)
         # Shed only what cannot start before its retry would come back: the work ahead of it
@@ -123,11 +145,7 @@ class AdmissionPolicy:
             and ticket.predicted_ttft_s > c.ttft_bound_s
             and wait_s >= c.min_retry_after_s
         ):
-            self.waits[RequestClass.COLD].shed += 1
-            if ticket.session_id:
-                # Deferred once: its retry is queued, not shed again, so shedding spreads a
-                # burst of new sessions over time without ever failing one.
-                self._sessions[ticket.session_id] = now
+            self._defer(ticket, now)
             retry = min(c.max_retry_after_s, math.floor(wait_s))
             raise EngineOverloaded(
                 f"predicted time to first token {ticket.predicted_ttft_s:.1f} s exceeds the "
@@ -135,6 +153,29 @@ class AdmissionPolicy:
                 retry_after_s=retry,
             )
         self.queue.append(ticket)
+
+    def _defer(self, ticket: Ticket, now: float) -> None:
+        self.waits[ticket.cls].shed += 1
+        if ticket.session_id:
+            # Deferred once: its retry is queued, not shed again, so shedding spreads a
+            # burst of new sessions over time without ever failing one.
+            self._sessions[ticket.session_id] = now
+
+    def _needs_slot(self, ticket: Ticket, now: float) -> bool:
+        """A new session that the sessions active at once leave no room for now (new sessions
+        queued ahead of it take the next slots)."""
+        if self.fifo or not self.slots.enabled:
+            return False
+        ticket.new_session = not (ticket.session_id and self.slots.holds(ticket.session_id, now))
+        if not ticket.new_session:
+            return False
+        if any(t.needs_slot for t in self.queue):
+            return True
+        queued_new = sum(1 for t in self.queue if t.new_session)
+        return not self.slots.has_room(ticket.prompt_tokens, now, queued_new, self._queued_sessions())
+
+    def _queued_sessions(self) -> set[str | None]:
+        return {t.session_id for t in self.queue}
 
     def prefill_seconds(self, ticket: Ticket) -> float:
         """Its own prefill, on one rank (a rank has 1/num_ranks of the server's rate)."""
@@ -160,7 +201,11 @@ class AdmissionPolicy:
                 done = (now - (t.admitted_at or now)) * rank_rate / max(1, t.sharing)
                 running[t.rank % ranks] += max(0.0, t.uncached_tokens - done)
                 cold_on[t.rank % ranks] += 1
-        queued = sum(t.uncached_tokens for t in self.queue if self.fifo or t.cls is RequestClass.COLD)
+        queued = sum(
+            t.uncached_tokens
+            for t in self.queue
+            if (self.fifo or t.cls is RequestClass.COLD) and not t.needs_slot  # slots come first
+        )
         if not self.fifo and not queued and min(cold_on) < self.config.max_cold_prefills:
             return 0.0
         return (min(running) + queued / ranks) / rank_rate
@@ -189,7 +234,17 @@ class AdmissionPolicy:
         on_rank = Counter(t.rank for t in self.inflight.values())
         held: set[int] = set()  # ranks whose head did not fit this round
         out: list[Ticket] = []
+        taking = 0  # slots handed to new sessions this round
+        queued = self._queued_sessions()
+        slots_full = False  # new sessions take slots in arrival order
         for t in order:
+            # Before the gate: a session waiting for a slot neither places nor holds a rank.
+            if t.new_session:
+                if t.session_id and self.slots.holds(t.session_id, now):
+                    t.new_session = t.needs_slot = False  # another request of it took one
+                elif slots_full or not self.slots.has_room(t.prompt_tokens, now, taking, queued):
+                    t.needs_slot = slots_full = True
+                    continue
             r = gate.place(t) if gate is not None else 0
             if r in held:
                 continue
@@ -200,6 +255,7 @@ class AdmissionPolicy:
                 continue
             cold_on[r] += t.cls is RequestClass.COLD
             on_rank[r] += 1
+            taking += t.new_session
             out.append(t)
         if out:
             taken = {id(t) for t in out}
@@ -211,7 +267,18 @@ class AdmissionPolicy:
                 self.waits[t.cls].record(now - t.arrived_at)
                 if t.session_id:
                     self._sessions[t.session_id] = now
+                self.slots.admitted(t.request_id, t.session_id, t.prompt_tokens, now)
+                self.slots.num_waited += t.needs_slot
+                t.new_session = t.needs_slot = False
         return out
+
+    def next_change_s(self, now: float) -> float | None:
+        """Seconds until a session waiting for a slot may get one with nothing else happening (an
+        idle session's slot frees); None when none waits. A virtual-time server that has nothing
+        running wakes then (the live dispatcher re-checks every 50 ms anyway)."""
+        if not any(t.needs_slot for t in self.queue):
+            return None
+        return self.slots.seconds_to_free(now, self._queued_sessions())
 
     def remove(self, request_id: str) -> Ticket | None:
         """Take a queued ticket out (aborted before admission)."""
@@ -229,9 +296,11 @@ class AdmissionPolicy:
         # The sample is its rank's rate (shared by the prefills there); the server has num_ranks.
         self.rate.observe(tokens, now - t.admitted_at, t.sharing * max(1, self.num_ranks))
 
-    def on_done(self, request_id: str) -> None:
-        """Finished, aborted or failed: forget it if it never produced a first token."""
+    def on_done(self, request_id: str, now: float | None = None) -> None:
+        """Finished, aborted or failed: forget it if it never produced a first token; its
+        session's idle time starts (now; None: from when it was admitted)."""
         self.inflight.pop(request_id, None)
+        self.slots.done(request_id, now)
 
     # ---- the engine step (engines that let admission plan it) ---------------------------------
     def plan_prefill(self, budget: int, pending: list[tuple[Ticket, int]], now: float) -> list[int]:
@@ -287,4 +356,17 @@ class AdmissionPolicy:
             "inflight_prefills": len(self.inflight),
             "inflight_cold_prefills": sum(1 for t in self.inflight.values() if t.cls is RequestClass.COLD),
             "prefill_tokens_per_s": self.rate.tokens_per_s,
+            **self.slots.to_dict(),
+            "sessions_waiting": sum(1 for t in self.queue if t.needs_slot),
         }
+
+
+def _limit(config: AdmissionConfig, plan_limit: SessionLimit | None) -> SessionLimit | None:
+    """The limit the config asks for: plan's (where the caller knows the hardware), a fixed number,
+    or none (0, or the fifo baseline, which has no admission layer)."""
+    if config.policy == "fifo" or config.max_active_sessions == 0:
+        return None
+    if config.max_active_sessions == "plan":
+        return plan_limit
+    fixed = int(config.max_active_sessions)
+    return lambda _context_tokens: fixed

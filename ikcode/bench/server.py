@@ -40,6 +40,7 @@ from ikcode.engines.base import (
 )
 from ikcode.engines.deepinfer.routing import SessionRouter
 from ikcode.engines.placement import Placement
+from ikcode.plan import session_limit
 
 from .hardware import HardwareModel
 from .rank import SimRank, SimRequest
@@ -105,6 +106,8 @@ class SimulatedServer:
         schedule: Mapping[str, int] | None = None,
     ):
         ikcode = admission.policy != "fifo"
+        # Admission's limit on sessions at once is plan's on these figures, as `ikcode up` sets it.
+        limit = session_limit(hardware, dict(schedule or {}))
         if ikcode and schedule:
             hardware = replace(hardware, **schedule)
         self.hw = hardware
@@ -118,7 +121,7 @@ class SimulatedServer:
         ]  # fmt: skip
         self.router = SessionRouter(hardware.cards, AFFINITY_MAX_IMBALANCE)
         self.view = _EngineView(self)
-        self.controller = AdmissionController(self.view, admission, clock=clock)  # type: ignore[arg-type]
+        self.controller = AdmissionController(self.view, admission, clock, limit)  # type: ignore[arg-type]
         self.policy = self.controller.policy
         self.gate = ikcode  # the baseline has no admission layer: arrival order, no memory gate
         self.decode_steps = 0  # all decode steps so far (finish times are counted in these)
@@ -216,7 +219,10 @@ class SimulatedServer:
         busy = any(r.decoding for r in self.ranks)
         to_vote = self._steps_to_vote()
         if not busy and to_vote == math.inf:
-            self.now = max(self.now + copy_s, horizon)  # nothing runs: wait for the next arrival
+            # Nothing runs: wait for the next arrival, or for a session slot to free.
+            wake_s = self.policy.next_change_s(self.now)
+            until = horizon if wake_s is None else min(horizon, self.now + max(wake_s, 1e-3))
+            self.now = max(self.now + copy_s, until)
             return
         step_s = max(r.decode_seconds() for r in self.ranks)
         finishes = [r.next_finish() for r in self.ranks if r.decoding]

@@ -101,5 +101,6 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
         console.print(
             f"  simulated ({row['policy']}) {row['agents']:>4} agents: median {row['p50']:.1f} s, "
             f"p95 {row['p95']:.1f} s, {row['cached_token_share']:.0%} from cache, {row['failed']} failed"
+            + (f", {row['sessions_waited']} sessions waited for a slot" if row.get("sessions_waited") else "")
         )
     console.print(f"[bold]verdict:[/bold] {result['verdict']}")

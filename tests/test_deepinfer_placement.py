@@ -113,3 +113,34 @@ def test_placement_leaves_the_router_as_it_was(tmp_path):
         assert engine.router._sessions["s"] == home  # noqa: SLF001
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+@pytest.mark.deepinfer
+def test_a_session_stays_on_its_rank_while_that_rank_only_decodes_more(tmp_path):
+    """The router's load is a rank's queue for prefill: a request decoding there does not delay
+    the session's next turn, and leaving would read the whole conversation again elsewhere."""
+    engine = real_engine(tmp_path, ranks=2, affinity_max_imbalance=0)
+    try:
+        prompt = random_tokens(1500, 11)
+        _, final = run(engine, "first", prompt, max_tokens=8, session="s")
+        assert finished_normally(final)
+        home = engine.router._sessions["s"]  # noqa: SLF001
+        wait_quiet(engine)
+        # A long answer of the same session decodes on its rank: it runs one request more than
+        # the other rank, none waiting for prefill.
+        busy = engine.submit(request("busy", random_tokens(300, 12), "s", max_tokens=6000))
+        first = next(iter(busy))
+        assert first.token_ids and not first.finished
+        with engine._lock:  # noqa: SLF001
+            assert engine._streams["busy"][1].rank == home  # noqa: SLF001
+        assert [engine._queued(r) for r in (0, 1)] == [0, 0]  # noqa: SLF001
+        assert len(engine.ranks[home].requests) == 1
+        _, final2 = run(engine, "second", prompt, max_tokens=8, session="s")
+        assert finished_normally(final2) and final2.stats.cached_tokens_device > 0
+        assert engine.router._sessions["s"] == home  # noqa: SLF001
+        busy.abort()
+        _, last = busy.collect(60)
+        assert not finished_normally(last), "the long answer ended before the second turn was routed"
+        wait_quiet(engine)
+    finally:
+        engine.shutdown(drain_timeout_s=5)

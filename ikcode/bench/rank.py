@@ -104,6 +104,10 @@ class SimRank:
     def num_active(self) -> int:
         return len(self.pending) + len(self.waiting) + len(self.decoding)
 
+    def num_queued(self) -> int:
+        """Requests waiting for their prefill (the router's load, as DeepInferEngine._queued)."""
+        return len(self.pending) + len(self.waiting)
+
     def blocks_needed(self, req: SimRequest) -> int:
         return -(-(req.prompt_tokens + req.output_tokens) // self.block_size)
 

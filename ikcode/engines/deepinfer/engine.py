@@ -54,6 +54,7 @@ class _Rank:
         self.info: dict[str, Any] = {}
         self.load = EngineLoad()
         self.requests: set[str] = set()
+        self.prefilling: set[str] = set()  # submitted, no token yet: the rank's queue (routing)
         self.reader: threading.Thread | None = None
 
     def send(self, message: tuple) -> None:
@@ -172,10 +173,11 @@ class DeepInferEngine:
         with self._lock:
             if request.request_id in self._streams:
                 raise EngineError(f"request id {request.request_id!r} is already in use")
-            index = self.router.route(request.session_id, lambda i: cached[i], lambda i: self._active(i))
+            index = self.router.route(request.session_id, lambda i: cached[i], lambda i: self._queued(i))
             rank = self.ranks[index]
             self._streams[request.request_id] = (stream, rank)
             rank.requests.add(request.request_id)
+            rank.prefilling.add(request.request_id)
         rank.send(("submit", request, hashes))
         return stream
 
@@ -239,7 +241,7 @@ class DeepInferEngine:
         probes = [self._call(r, "resumable", hashes, len(prompt)) for r in self.ranks]
         extra = list(admitting) + [0] * (len(self.ranks) - len(admitting))
         index = self.router.peek(
-            request.session_id, lambda i: probes[i], lambda i: self._active(i) + extra[i]
+            request.session_id, lambda i: probes[i], lambda i: self._queued(i) + extra[i]
         )
         return Placement(index, -(-len(prompt) // KVSTORE_GRAIN))
 
@@ -261,8 +263,9 @@ class DeepInferEngine:
         return not self._streams
 
     # ---- messages from the ranks ----------------------------------------------------------------
-    def _active(self, index: int) -> int:
-        return len(self.ranks[index].requests)
+    def _queued(self, index: int) -> int:
+        """Requests on the rank still waiting for their prefill (the router's load)."""
+        return len(self.ranks[index].prefilling)
 
     def _call(self, r: _Rank, name: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
@@ -307,6 +310,8 @@ class DeepInferEngine:
     def _on_event(self, event: TokenEvent) -> None:
         with self._lock:
             entry = self._streams.get(event.request_id)
+            if entry is not None:
+                entry[1].prefilling.discard(event.request_id)  # its first token, or its end
             if entry is not None and event.finished:
                 del self._streams[event.request_id]
                 entry[1].requests.discard(event.request_id)
@@ -340,6 +345,7 @@ class DeepInferEngine:
             streams, self._streams = list(self._streams.values()), {}
         for stream, rank in streams:
             rank.requests.discard(stream.request_id)
+            rank.prefilling.discard(stream.request_id)
             stream.put(TokenEvent(stream.request_id, [], True, FinishReason.ERROR, None, error))
 
     def _stop_processes(self) -> None:

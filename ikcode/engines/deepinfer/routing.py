@@ -3,9 +3,16 @@
 The GPU tier is per rank (facts: Several GPUs), so a conversation must come back to the rank that
 holds its prefix: first by X-Claude-Code-Session-Id (EngineRequest.session_id), then by the rank
 whose cache holds the longest prefix of the prompt, else the least loaded rank (ties: the one with
-the fewest sessions, so new conversations spread over the ranks). A rank more than
-`max_imbalance` requests busier than the least loaded one is passed over (a cold prefill elsewhere
-beats a long queue).
+the fewest sessions, so new conversations spread over the ranks). A rank with more than
+`max_imbalance` requests queued for their prefill beyond the least queued one is passed over (a
+cold prefill elsewhere beats a long queue).
+
+The load is the rank's queue, requests submitted that have not produced their first token, not
+every request it runs: a decoding request does not delay a new one's prefill, while leaving the
+rank that holds a conversation reads the whole conversation again on another rank (at 450K
+tokens, ~9 s of one card), and the engine prefills first come first served, so every request
+queued behind that read waits for it too. Counted with the decoding ones, ordinary swings of
+25-35 requests per rank moved conversations (bench/simulate_trace.py: "later turns recomputed").
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ class SessionRouter:
     def route(
         self, session_id: str | None, cached_blocks: Callable[[int], int], load: Callable[[int], int]
     ) -> int:
-        """cached_blocks(rank): blocks of this prompt cached on rank; load(rank): its requests.
-        The choice is remembered for the session."""
+        """cached_blocks(rank): blocks of this prompt cached on rank; load(rank): its requests
+        waiting for their prefill. The choice is remembered for the session."""
         loads = [load(r) for r in range(self.num_ranks)]
         with self._lock:
             known = self._sessions.get(session_id) if session_id else None

@@ -33,6 +33,19 @@ def test_peek_answers_like_route_and_remembers_nothing():
     assert router.route("a", lambda r: 0, lambda r: 0) == 0
 
 
+def test_a_session_leaves_a_busy_rank_only_for_one_that_gets_through_sooner():
+    router = SessionRouter(2, max_imbalance=1)
+    assert router.route("a", lambda r: 0, lambda r: 0) == 0
+    cached = [100, 0]  # the conversation's blocks, on its rank only
+    queued = [3, 0]  # its rank has 3 requests more waiting for their prefill
+    # small ones (20 blocks in all): its rank gets through 20 + 5 before the other reads 105
+    assert router.route("a", lambda r: cached[r], lambda r: queued[r], lambda r: [25, 105][r]) == 0
+    assert router.peek("a", lambda r: cached[r], lambda r: queued[r], lambda r: [105, 105][r]) == 0
+    # a cold read of 300 blocks queued there: the other rank is through sooner
+    assert router.route("a", lambda r: cached[r], lambda r: queued[r], lambda r: [305, 105][r]) == 1
+    assert router.route("a", lambda r: 0, lambda r: 0) == 1  # and the session is remembered there
+
+
 @pytest.mark.deepinfer
 def test_admission_over_two_ranks_caps_cold_prefills_per_rank(tmp_path):
     engine = real_engine(tmp_path, ranks=2)
@@ -91,17 +104,19 @@ def test_placement_leaves_the_router_as_it_was(tmp_path):
         home = engine.router._sessions["s"]  # noqa: SLF001
         state = (dict(engine.router._sessions), list(engine.router._per_rank))  # noqa: SLF001
         wait_quiet(engine)
-        # With requests being admitted on its rank the session would go elsewhere ...
+        # With requests being admitted on its rank (past affinity_max_imbalance) the session
+        # stays: no other rank would get through its prefill sooner, its prompt is cached at home
+        # only, and no prefill is queued there ...
         busy = [0, 0]
         busy[home] = 3
-        away = engine.placement(request("second", prompt, "s"), busy)
-        assert away.rank != home
-        assert away.kv_blocks == -(-len(prompt) // 128)  # nothing cached there
-        # ... without them it stays home, where its device hit takes nothing beyond the prompt's
-        # blocks: the hit is copied into them and the cached blocks it came from go back free
+        stay_busy = engine.placement(request("second", prompt, "s"), busy)
+        assert stay_busy.rank == home
+        assert stay_busy.kv_blocks == -(-len(prompt) // 128)
+        # ... as without them, where its device hit takes nothing beyond the prompt's blocks: the
+        # hit is copied into them and the cached blocks it came from go back free
         stay = engine.placement(request("second", prompt, "s"), [0, 0])
         assert stay.rank == home
-        assert stay.kv_blocks == away.kv_blocks
+        assert stay.kv_blocks == stay_busy.kv_blocks
         placed = engine.placement(request("other", random_tokens(600, 9), "new"), [0, 0])
         assert (dict(engine.router._sessions), list(engine.router._per_rank)) == state  # noqa: SLF001
         # a new session placed on the idle rank, then submitted, is routed there too

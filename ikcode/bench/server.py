@@ -174,16 +174,23 @@ class SimulatedServer:
 
     def route(self, req: SimRequest, admitting: list[int] | None = None, record: bool = True) -> int:
         """The rank DeepInferEngine.submit would give req: the adapter's SessionRouter on each
-        rank's cached prefix and requests waiting for their prefill (plus `admitting`).
+        rank's cached prefix, requests waiting for their prefill (plus `admitting`) and the blocks
+        they compute there (DeepInferEngine._work).
         record=False leaves the router as it was (SessionRouter.peek: admission only asks)."""
         keys = req.keys(req.prompt_tokens // self.block_size)
         ranks, extra = self.ranks, admitting or [0] * len(self.ranks)
+        blocks = -(-req.prompt_tokens // self.block_size)
+        cached = [rank.cache.match(keys).blocks for rank in ranks]
         pick = self.router.route if record else self.router.peek
-        return pick(
+        rank = pick(
             req.session_id,
-            lambda r: ranks[r].cache.match(keys).blocks,
+            lambda r: cached[r],
             lambda r: ranks[r].num_queued() + extra[r],
+            lambda r: ranks[r].queued_blocks() + blocks - cached[r],
         )
+        if record:
+            req.prefill_blocks = blocks - cached[rank]
+        return rank
 
     # ---- one step --------------------------------------------------------------------------
     def _vote(self) -> bool:

@@ -33,6 +33,19 @@ def test_peek_answers_like_route_and_remembers_nothing():
     assert router.route("a", lambda r: 0, lambda r: 0) == 0
 
 
+def test_a_session_leaves_a_busy_rank_only_for_one_that_gets_through_sooner():
+    router = SessionRouter(2, max_imbalance=1)
+    assert router.route("a", lambda r: 0, lambda r: 0) == 0
+    cached = [100, 0]  # the conversation's blocks, on its rank only
+    queued = [3, 0]  # its rank has 3 requests more waiting for their prefill
+    # small ones (20 blocks in all): its rank gets through 20 + 5 before the other reads 105
+    assert router.route("a", lambda r: cached[r], lambda r: queued[r], lambda r: [25, 105][r]) == 0
+    assert router.peek("a", lambda r: cached[r], lambda r: queued[r], lambda r: [105, 105][r]) == 0
+    # a cold read of 300 blocks queued there: the other rank is through sooner
+    assert router.route("a", lambda r: cached[r], lambda r: queued[r], lambda r: [305, 105][r]) == 1
+    assert router.route("a", lambda r: 0, lambda r: 0) == 1  # and the session is remembered there
+
+
 @pytest.mark.deepinfer
 def test_admission_over_two_ranks_caps_cold_prefills_per_rank(tmp_path):
     engine = real_engine(tmp_path, ranks=2)
@@ -91,17 +104,19 @@ def test_placement_leaves_the_router_as_it_was(tmp_path):
         home = engine.router._sessions["s"]  # noqa: SLF001
         state = (dict(engine.router._sessions), list(engine.router._per_rank))  # noqa: SLF001
         wait_quiet(engine)
-        # With requests being admitted on its rank the session would go elsewhere ...
+        # With requests being admitted on its rank (past affinity_max_imbalance) the session
+        # stays: no other rank would get through its prefill sooner, its prompt is cached at home
+        # only, and no prefill is queued there ...
         busy = [0, 0]
         busy[home] = 3
-        away = engine.placement(request("second", prompt, "s"), busy)
-        assert away.rank != home
-        assert away.kv_blocks == -(-len(prompt) // 128)  # nothing cached there
-        # ... without them it stays home, where its device hit takes nothing beyond the prompt's
-        # blocks: the hit is copied into them and the cached blocks it came from go back free
+        stay_busy = engine.placement(request("second", prompt, "s"), busy)
+        assert stay_busy.rank == home
+        assert stay_busy.kv_blocks == -(-len(prompt) // 128)
+        # ... as without them, where its device hit takes nothing beyond the prompt's blocks: the
+        # hit is copied into them and the cached blocks it came from go back free
         stay = engine.placement(request("second", prompt, "s"), [0, 0])
         assert stay.rank == home
-        assert stay.kv_blocks == away.kv_blocks
+        assert stay.kv_blocks == stay_busy.kv_blocks
         placed = engine.placement(request("other", random_tokens(600, 9), "new"), [0, 0])
         assert (dict(engine.router._sessions), list(engine.router._per_rank)) == state  # noqa: SLF001
         # a new session placed on the idle rank, then submitted, is routed there too
@@ -111,5 +126,36 @@ def test_placement_leaves_the_router_as_it_was(tmp_path):
         tokens2, final2 = run(engine, "second", prompt, max_tokens=8, session="s")
         assert finished_normally(final2) and final2.stats.cached_tokens_device > 0
         assert engine.router._sessions["s"] == home  # noqa: SLF001
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+
+
+@pytest.mark.deepinfer
+def test_a_session_stays_on_its_rank_while_that_rank_only_decodes_more(tmp_path):
+    """The router's load is a rank's queue for prefill: a request decoding there does not delay
+    the session's next turn, and leaving would read the whole conversation again elsewhere."""
+    engine = real_engine(tmp_path, ranks=2, affinity_max_imbalance=0)
+    try:
+        prompt = random_tokens(1500, 11)
+        _, final = run(engine, "first", prompt, max_tokens=8, session="s")
+        assert finished_normally(final)
+        home = engine.router._sessions["s"]  # noqa: SLF001
+        wait_quiet(engine)
+        # A long answer of the same session decodes on its rank: it runs one request more than
+        # the other rank, none waiting for prefill.
+        busy = engine.submit(request("busy", random_tokens(300, 12), "s", max_tokens=6000))
+        first = next(iter(busy))
+        assert first.token_ids and not first.finished
+        with engine._lock:  # noqa: SLF001
+            assert engine._streams["busy"][1].rank == home  # noqa: SLF001
+        assert [engine._queued(r) for r in (0, 1)] == [0, 0]  # noqa: SLF001
+        assert len(engine.ranks[home].requests) == 1
+        _, final2 = run(engine, "second", prompt, max_tokens=8, session="s")
+        assert finished_normally(final2) and final2.stats.cached_tokens_device > 0
+        assert engine.router._sessions["s"] == home  # noqa: SLF001
+        busy.abort()
+        _, last = busy.collect(60)
+        assert not finished_normally(last), "the long answer ended before the second turn was routed"
+        wait_quiet(engine)
     finally:
         engine.shutdown(drain_timeout_s=5)

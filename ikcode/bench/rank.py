@@ -49,6 +49,7 @@ class SimRequest:
     cached_host: int = 0
     computed: int = 0
     remaining: int = 0  # prompt tokens still to prefill
+    prefill_blocks: int = 0  # blocks the router counted it for on its rank (not cached there)
     first_token_at: float | None = None
     finished_at: float | None = None
     failed: str = ""
@@ -103,6 +104,15 @@ class SimRank:
 
     def num_active(self) -> int:
         return len(self.pending) + len(self.waiting) + len(self.decoding)
+
+    def num_queued(self) -> int:
+        """Requests waiting for their prefill (the router's load, as DeepInferEngine._queued)."""
+        return len(self.pending) + len(self.waiting)
+
+    def queued_blocks(self) -> int:
+        """Blocks the requests waiting for their prefill compute, as counted when they were routed
+        (the router's work, as DeepInferEngine._work)."""
+        return sum(r.prefill_blocks for r in self.pending) + sum(r.prefill_blocks for r in self.waiting)
 
     def blocks_needed(self, req: SimRequest) -> int:
         return -(-(req.prompt_tokens + req.output_tokens) // self.block_size)

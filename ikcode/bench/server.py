@@ -5,7 +5,7 @@ What runs here is what runs live, as code or as the engine does it:
   the clock is virtual; the engine view offers rank_loads() and placement() as a data-parallel
   engine does, ikcode.engines.placement), or, for the `fifo` baseline, arrival order with no gate;
 - routing: the DeepInfer adapter's SessionRouter (engines/deepinfer/routing.py), fed with each
-  rank's cached prefix and its live request count, as DeepInferEngine.submit does;
+  rank's cached prefix and its requests waiting for their prefill, as DeepInferEngine.submit does;
 - memory: one real PrefixCache per rank (SimRank);
 - the engine's own step settings: the `fifo` baseline runs DeepInfer 0.1.0's defaults (a whole
   prompt per prefill step, votes every 70 / 100 decode steps: the published system); the ikcode
@@ -174,16 +174,23 @@ class SimulatedServer:
 
     def route(self, req: SimRequest, admitting: list[int] | None = None, record: bool = True) -> int:
         """The rank DeepInferEngine.submit would give req: the adapter's SessionRouter on each
-        rank's cached prefix and live request count (plus `admitting`). record=False leaves the
-        router as it was (SessionRouter.peek: admission only asks)."""
+        rank's cached prefix, requests waiting for their prefill (plus `admitting`) and the blocks
+        they compute there (DeepInferEngine._work).
+        record=False leaves the router as it was (SessionRouter.peek: admission only asks)."""
         keys = req.keys(req.prompt_tokens // self.block_size)
         ranks, extra = self.ranks, admitting or [0] * len(self.ranks)
+        blocks = -(-req.prompt_tokens // self.block_size)
+        cached = [rank.cache.match(keys).blocks for rank in ranks]
         pick = self.router.route if record else self.router.peek
-        return pick(
+        rank = pick(
             req.session_id,
-            lambda r: ranks[r].cache.match(keys).blocks,
-            lambda r: ranks[r].num_active() + extra[r],
+            lambda r: cached[r],
+            lambda r: ranks[r].num_queued() + extra[r],
+            lambda r: ranks[r].queued_blocks() + blocks - cached[r],
         )
+        if record:
+            req.prefill_blocks = blocks - cached[rank]
+        return rank
 
     # ---- one step --------------------------------------------------------------------------
     def _vote(self) -> bool:

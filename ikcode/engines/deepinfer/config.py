@@ -58,8 +58,8 @@ class DeepInferConfig:
     # request then replays only the last KEEP..KEEP+127 tokens, and an identical or slightly
     # longer next prompt resumes at P. 0 = off. Its tokens count as computed, never as cached.
     prime_min_tokens: int = 512
-    # Session affinity: a session stays on its rank unless that rank runs this many more
-    # requests than the least loaded one.
+    # Session affinity: a session stays on its rank unless that rank has this many more
+    # requests waiting for their prefill than the least queued one (routing.SessionRouter).
     affinity_max_imbalance: int = 8
     idle_wait_s: float = 0.01
     master_addr: str = "127.0.0.1"  # MASTER_ADDR / MASTER_PORT of the ranks' gloo rendezvous

@@ -18,6 +18,7 @@ import multiprocessing
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -54,6 +55,8 @@ class _Rank:
         self.info: dict[str, Any] = {}
         self.load = EngineLoad()
         self.requests: set[str] = set()
+        # Submitted, no token yet: the rank's queue (routing), with the blocks each computes there.
+        self.prefilling: dict[str, int] = {}
         self.reader: threading.Thread | None = None
 
     def send(self, message: tuple) -> None:
@@ -168,14 +171,18 @@ class DeepInferEngine:
         prompt = request.prompt_token_ids
         hashes = hash_blocks(prompt, KVSTORE_GRAIN, request.cache_salt)
         cached = [self._call(r, "resumable", hashes, len(prompt)) for r in self.ranks]
+        blocks = -(-len(prompt) // KVSTORE_GRAIN)
         stream = RequestStream(request.request_id, on_abort=self.abort)
         with self._lock:
             if request.request_id in self._streams:
                 raise EngineError(f"request id {request.request_id!r} is already in use")
-            index = self.router.route(request.session_id, lambda i: cached[i], lambda i: self._active(i))
+            index = self.router.route(
+                request.session_id, lambda i: cached[i], self._queued, self._work(blocks, cached)
+            )
             rank = self.ranks[index]
             self._streams[request.request_id] = (stream, rank)
             rank.requests.add(request.request_id)
+            rank.prefilling[request.request_id] = blocks - cached[index]
         rank.send(("submit", request, hashes))
         return stream
 
@@ -238,8 +245,12 @@ class DeepInferEngine:
         hashes = hash_blocks(prompt, KVSTORE_GRAIN, request.cache_salt)
         probes = [self._call(r, "resumable", hashes, len(prompt)) for r in self.ranks]
         extra = list(admitting) + [0] * (len(self.ranks) - len(admitting))
+        blocks = -(-len(prompt) // KVSTORE_GRAIN)
         index = self.router.peek(
-            request.session_id, lambda i: probes[i], lambda i: self._active(i) + extra[i]
+            request.session_id,
+            lambda i: probes[i],
+            lambda i: self._queued(i) + extra[i],
+            self._work(blocks, probes),
         )
         return Placement(index, -(-len(prompt) // KVSTORE_GRAIN))
 
@@ -261,8 +272,15 @@ class DeepInferEngine:
         return not self._streams
 
     # ---- messages from the ranks ----------------------------------------------------------------
-    def _active(self, index: int) -> int:
-        return len(self.ranks[index].requests)
+    def _queued(self, index: int) -> int:
+        """Requests on the rank still waiting for their prefill (the router's load)."""
+        return len(self.ranks[index].prefilling)
+
+    def _work(self, blocks: int, cached: list[int]) -> Callable[[int], int]:
+        """work(rank) for the router: the prefill queued on the rank (blocks each request there
+        computes) plus this prompt's blocks not cached there."""
+        # copy(): placement() reads this outside the lock while events pop entries
+        return lambda i: sum(self.ranks[i].prefilling.copy().values()) + blocks - cached[i]
 
     def _call(self, r: _Rank, name: str, *args: Any) -> Any:
         call_id = next(self._call_ids)
@@ -307,6 +325,8 @@ class DeepInferEngine:
     def _on_event(self, event: TokenEvent) -> None:
         with self._lock:
             entry = self._streams.get(event.request_id)
+            if entry is not None:
+                entry[1].prefilling.pop(event.request_id, None)  # its first token, or its end
             if entry is not None and event.finished:
                 del self._streams[event.request_id]
                 entry[1].requests.discard(event.request_id)
@@ -340,6 +360,7 @@ class DeepInferEngine:
             streams, self._streams = list(self._streams.values()), {}
         for stream, rank in streams:
             rank.requests.discard(stream.request_id)
+            rank.prefilling.pop(stream.request_id, None)
             stream.put(TokenEvent(stream.request_id, [], True, FinishReason.ERROR, None, error))
 
     def _stop_processes(self) -> None:

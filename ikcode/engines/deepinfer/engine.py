@@ -317,7 +317,13 @@ class DeepInferEngine:
                 r.ready.set()
             elif kind == "fatal":
                 log.error("%s\n%s", message[1], message[2])
-                self._rank_died(r, message[1])
+                # Ranks meet in every step: a rank that was killed shows up first as a gloo
+                # error in its peers. Report the rank that is gone, the cause, not the symptom.
+                gone = next((o for o in self.ranks if o is not r and not o.process.is_alive()), None)
+                if gone is not None:
+                    self._rank_died(gone, f"rank {gone.rank} exited (exit code {gone.process.exitcode})")
+                else:
+                    self._rank_died(r, message[1])
         if not self._stopping or self._streams:
             r.process.join(timeout=5)
             self._rank_died(r, f"rank {r.rank} exited (exit code {r.process.exitcode})")

@@ -21,6 +21,13 @@ def request(rid: str, prompt: list[int], session: str, max_tokens: int = 24) -> 
     )
 
 
+def first_turn_home(engine, prompt: list[int]) -> int:
+    """Run session "s"'s first turn to its end; the rank the router gave the session."""
+    _, final = run(engine, "first", prompt, max_tokens=8, session="s")
+    assert finished_normally(final)
+    return engine.router._sessions["s"]  # noqa: SLF001
+
+
 def test_peek_answers_like_route_and_remembers_nothing():
     router = SessionRouter(2, max_imbalance=1)
     assert router.route("a", lambda r: 0, lambda r: 0) == 0
@@ -99,9 +106,7 @@ def test_placement_leaves_the_router_as_it_was(tmp_path):
     engine = real_engine(tmp_path, ranks=2, affinity_max_imbalance=0)
     try:
         prompt = random_tokens(1500, 7)
-        tokens, final = run(engine, "first", prompt, max_tokens=8, session="s")
-        assert finished_normally(final)
-        home = engine.router._sessions["s"]  # noqa: SLF001
+        home = first_turn_home(engine, prompt)
         state = (dict(engine.router._sessions), list(engine.router._per_rank))  # noqa: SLF001
         wait_quiet(engine)
         # With requests being admitted on its rank (past affinity_max_imbalance) the session
@@ -137,9 +142,7 @@ def test_a_session_stays_on_its_rank_while_that_rank_only_decodes_more(tmp_path)
     engine = real_engine(tmp_path, ranks=2, affinity_max_imbalance=0)
     try:
         prompt = random_tokens(1500, 11)
-        _, final = run(engine, "first", prompt, max_tokens=8, session="s")
-        assert finished_normally(final)
-        home = engine.router._sessions["s"]  # noqa: SLF001
+        home = first_turn_home(engine, prompt)
         wait_quiet(engine)
         # A long answer of the same session decodes on its rank: it runs one request more than
         # the other rank, none waiting for prefill.

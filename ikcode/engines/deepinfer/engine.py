@@ -252,7 +252,7 @@ class DeepInferEngine:
             lambda i: self._queued(i) + extra[i],
             self._work(blocks, probes),
         )
-        return Placement(index, -(-len(prompt) // KVSTORE_GRAIN))
+        return Placement(index, blocks)
 
     # ---- truth for /metrics, doctor and tests ---------------------------------------------------
     def cache_stats(self) -> dict[str, float]:

@@ -35,8 +35,12 @@ class Stack:
 
 def _embedded_engine(profile: Profile, model_path: str | None) -> tuple[Engine, Any, str]:
     from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from ikcode.engines.embedded.threads import hand_threads_to_engine
     from ikcode.model.loader import load_model
 
+    # Before loading: a parallel kernel run on this thread would give it an OpenMP team that
+    # outlives the load and slows every kernel of the engine thread (threads.py).
+    hand_threads_to_engine(profile.model.threads)
     source = model_path or profile.model.path or None
     log.info("loading model %s", source or "(default: SmolLM2-135M-Instruct)")
     loaded = load_model(source)

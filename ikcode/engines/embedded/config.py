@@ -20,7 +20,8 @@ class EmbeddedEngineConfig:
     # that arrives during a step waits for the step to end, and every decode token with it: this
     # bounds how long a warm turn waits behind a cold prompt's chunk.
     long_prefill_chunk_tokens: int = 256
-    num_threads: int | None = None  # torch.set_num_threads; None leaves torch's default
+    # torch threads of the engine thread (threads.py); None: the count of the thread that builds it.
+    num_threads: int | None = None
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when present)
     model_name: str | None = None  # served name; default: the ModelConfig's name
     # Which requests get numbers that never depend on what else is in the batch (their prompt rows

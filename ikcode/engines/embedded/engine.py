@@ -45,6 +45,7 @@ from ikcode.engines.embedded.kv_pools import build_kv_pools, resolve_device
 from ikcode.engines.embedded.sampler import sample
 from ikcode.engines.embedded.scheduler import ScheduledSeq, Scheduler, committable_hashes
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
+from ikcode.engines.embedded.threads import hand_threads_to_engine
 from ikcode.model.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,8 @@ class EmbeddedEngine:
     ):
         self.config = config = config or EmbeddedEngineConfig()
         config.validate()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # The engine thread alone runs torch's kernels multi-threaded (threads.py says why).
+        self.num_threads = hand_threads_to_engine(config.num_threads)
         self.model_config = model_config
         self.device = resolve_device(config.device)
         block_size = config.block_size
@@ -176,6 +177,7 @@ class EmbeddedEngine:
 
     # ---- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
+        torch.set_num_threads(self.num_threads)
         while True:
             if self._abort_all:
                 self._abort_everything()

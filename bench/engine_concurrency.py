@@ -15,9 +15,10 @@ the shared path, "all" shows what full batch invariance costs; `--weights` the d
 (int8 by default, as the local profile runs).
 
 llama.cpp runs through llama-cpp-python (`Llama.generate` over the same token ids, the same
-sampling, n_threads = --threads). Its server (`llama_cpp.server`) serves one completion at a time
-per model, so N concurrent streams take N times one stream; they are run one after another here,
-which is what its server does with them. Skipped, saying why, when llama_cpp is not installed.
+sampling, n_threads = --threads), in a process of its own (bench/side_process.py says why). Its
+server (`llama_cpp.server`) serves one completion at a time per model, so N concurrent streams take
+N times one stream; they are run one after another here, which is what its server does with them.
+Skipped, saying why, when llama_cpp is not installed.
 
 The machine may be shared: engine and llama.cpp runs alternate, the best of --repeats is kept
 (load only ever slows a run), and the 1-minute load average is printed beside each row.
@@ -37,6 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from side_process import SideProcess  # noqa: E402
 
 from ikcode.engines.base import EngineRequest, SamplingParams  # noqa: E402
 from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
@@ -93,6 +96,8 @@ class EngineSide:
 
 
 class LlamaCppSide:
+    """Built in its own process (SideProcess)."""
+
     def __init__(self, gguf: Path, threads: int, context_tokens: int):
         from llama_cpp import Llama
 
@@ -153,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         why_not = "--skip-llamacpp"
     else:
         try:
-            llama = LlamaCppSide(gguf, args.threads, args.prompt_tokens + args.output_tokens + 16)
+            import llama_cpp  # noqa: F401  (here, to say why not; the side imports it in its process)
         except ImportError as err:
             why_not = f"llama_cpp not importable ({err})"
+        else:
+            context = args.prompt_tokens + args.output_tokens + 16
+            llama = SideProcess(LlamaCppSide, gguf, args.threads, context)
     engine.aggregate_tps([random_prompt(rng, 16, vocab)], 4, args.temperature)  # warm-up
     rows = []
     try:
@@ -165,13 +173,19 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [random_prompt(rng, args.prompt_tokens, vocab) for _ in range(n)]
                 sides = {"engine": engine} | ({"llamacpp": llama} if llama is not None else {})
                 for name, side in sides.items():
-                    both, decode = side.aggregate_tps(prompts, args.output_tokens, args.temperature)
+                    both, decode = (
+                        side.aggregate_tps(prompts, args.output_tokens, args.temperature)
+                        if isinstance(side, EngineSide)
+                        else side.call("aggregate_tps", prompts, args.output_tokens, args.temperature)
+                    )
                     best[name] = max(best[name], both)
                     best[name + "_decode"] = max(best[name + "_decode"], decode)
             rows.append({"streams": n, **best, "load_avg": os.getloadavg()[0]})
             print(f"  {n} streams done", flush=True)
     finally:
         engine.close()
+        if llama is not None:
+            llama.close()
 
     print(f"\n{args.prompt_tokens}-token prompts, {args.output_tokens} output tokens per stream, "
           f"temperature {args.temperature}, engine batch_invariance={args.invariance} "

@@ -9,13 +9,13 @@ then, on the embedded engine only: time to first token of a --long-tokens prompt
 and of the same prompt plus a --tail-tokens tail once the first request has been released
 (its prefix then comes from the cache).
 
-transformers runs `LlamaForCausalLM` over the very state dict the engine gets (load_model(None)):
-a bare forward with its KV cache and `logits_to_keep=1`, no generate() overhead, which is the most
-favourable reading of its speed. The machine may be shared with other work, so the two run in the
-same process, interleaved (engine, transformers, engine, ...), and each number is the best of
---repeats runs: background load only ever slows a run down, so the best run is the closest to the
-machine's real speed. The 1-minute load average is printed next to each section (above the core
-count means other work competed). Compare numbers from the same run only. transformers (and
+transformers runs `LlamaForCausalLM` over the same weights (load_model, in a process of its own:
+bench/side_process.py says why): a bare forward with its KV cache and `logits_to_keep=1`, no
+generate() overhead, which is the most favourable reading of its speed. The machine may be shared
+with other work, so the two run interleaved (engine, transformers, engine, ...), and each number is
+the best of --repeats runs: background load only ever slows a run down, so the best run is the
+closest to the machine's real speed. The 1-minute load average is printed next to each section
+(above the core count means other work competed). Compare numbers from the same run only. transformers (and
 accelerate) are bench dependencies, not runtime ones.
 """
 
@@ -36,6 +36,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from side_process import SideProcess  # noqa: E402
+
 from ikcode.engines.base import EngineRequest, LifecycleKind, SamplingParams  # noqa: E402
 from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
 from ikcode.model.config import ModelConfig  # noqa: E402
@@ -51,8 +53,7 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 # ---- embedded engine --------------------------------------------------------------------------
 class EngineBench:
     def __init__(self, model: LoadedModel, threads: int, kv_bytes: int):
-        torch.set_num_threads(threads)  # before the engine thread starts: it inherits the count
-        self.engine = EmbeddedEngine(
+        self.engine = EmbeddedEngine(  # the engine thread takes `threads` (engines/embedded/threads.py)
             model.config,
             model.state_dict,
             EmbeddedEngineConfig(kv_memory_bytes=kv_bytes, num_threads=threads, device="cpu"),
@@ -95,6 +96,8 @@ class EngineBench:
 
 # ---- transformers -----------------------------------------------------------------------------
 class TransformersBench:
+    """Built in its own process (`transformers_side`; bench/side_process.py says why)."""
+
     def __init__(self, model: LoadedModel):
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -142,6 +145,11 @@ class TransformersBench:
         return new_tokens / (time.perf_counter() - started)
 
 
+def transformers_side(model_path: str | None, threads: int) -> TransformersBench:
+    torch.set_num_threads(threads)
+    return TransformersBench(load_model(model_path))
+
+
 def _cache_of(out):
     return out.cache if hasattr(out, "cache") else out.past_key_values
 
@@ -165,8 +173,7 @@ def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) ->
     kv_bytes = model.config.kv_bytes_per_token * (args.long_tokens + args.tail_tokens + 512)
     row: dict = {"threads": threads, "load_avg_start": load_average()}
     engine = EngineBench(model, threads, kv_bytes)
-    hf = None if args.skip_transformers else TransformersBench(model)
-    torch.set_num_threads(threads)  # this thread runs transformers
+    hf = None if args.skip_transformers else SideProcess(transformers_side, args.model, threads)
     prefill_prompt = lambda: random_prompt(rng, args.prefill_tokens, vocab)  # noqa: E731
     decode_prompt = lambda: random_prompt(rng, 32, vocab)  # noqa: E731
     try:
@@ -176,9 +183,9 @@ def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) ->
             "engine_decode_tps": lambda: engine.decode_tps(decode_prompt(), args.decode_tokens),
         }
         if hf is not None:
-            hf.prefill_tps(random_prompt(rng, 64, vocab))  # warm-up
-            measures["hf_prefill_tps"] = lambda: hf.prefill_tps(prefill_prompt())
-            measures["hf_decode_tps"] = lambda: hf.decode_tps(decode_prompt(), args.decode_tokens)
+            hf.call("prefill_tps", random_prompt(rng, 64, vocab))  # warm-up
+            measures["hf_prefill_tps"] = lambda: hf.call("prefill_tps", prefill_prompt())
+            measures["hf_decode_tps"] = lambda: hf.call("decode_tps", decode_prompt(), args.decode_tokens)
         # Prefill pairs first, then decode pairs: each pair back to back.
         order = sorted(measures, key=lambda name: "decode" in name)
         row |= best_interleaved(args.repeats, {name: measures[name] for name in order})
@@ -207,7 +214,8 @@ def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) ->
             }
     finally:
         engine.close()
-        hf = None  # free its weights before the next thread count
+        if hf is not None:
+            hf.close()
     return row
 
 

@@ -27,6 +27,7 @@ The machine may be shared: engine and llama.cpp runs alternate, the best of --re
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import random
@@ -35,14 +36,13 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from side_process import SideProcess  # noqa: E402
 
 from ikcode.engines.base import EngineRequest, SamplingParams  # noqa: E402
 from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
+from ikcode.engines.embedded.threads import hand_threads_to_engine  # noqa: E402
 from ikcode.model.default_model import find_default_model_file  # noqa: E402
 from ikcode.model.loader import LoadedModel, load_model  # noqa: E402
 
@@ -55,7 +55,6 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 class EngineSide:
     def __init__(self, model: LoadedModel, threads: int, invariance: str, weights: str, max_streams: int):
-        torch.set_num_threads(threads)
         self.engine = EmbeddedEngine(
             model.config,
             model.state_dict,
@@ -146,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
     counts = [int(n) for n in args.streams.split(",")]
     rng = random.Random(args.seed)
+    hand_threads_to_engine(args.threads)  # before any torch op here (threads.py)
     model = load_model(None)
     gguf = find_default_model_file()
     vocab = model.config.vocab_size
@@ -154,19 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     engine = EngineSide(model, args.threads, args.invariance, args.weights, max(counts))
     llama = None
     why_not = ""
-    if args.skip_llamacpp:
-        why_not = "--skip-llamacpp"
-    else:
-        try:
-            import llama_cpp  # noqa: F401  (here, to say why not; the side imports it in its process)
-        except ImportError as err:
-            why_not = f"llama_cpp not importable ({err})"
+    rows = []
+    try:
+        if args.skip_llamacpp:
+            why_not = "--skip-llamacpp"
+        elif importlib.util.find_spec("llama_cpp") is None:  # imported only in its own process
+            why_not = "llama_cpp is not installed"
         else:
             context = args.prompt_tokens + args.output_tokens + 16
             llama = SideProcess(LlamaCppSide, gguf, args.threads, context)
-    engine.aggregate_tps([random_prompt(rng, 16, vocab)], 4, args.temperature)  # warm-up
-    rows = []
-    try:
+        engine.aggregate_tps([random_prompt(rng, 16, vocab)], 4, args.temperature)  # warm-up
         for n in counts:
             best = dict.fromkeys(("engine", "engine_decode", "llamacpp", "llamacpp_decode"), 0.0)
             for _ in range(args.repeats):

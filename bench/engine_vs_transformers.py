@@ -40,6 +40,7 @@ from side_process import SideProcess  # noqa: E402
 
 from ikcode.engines.base import EngineRequest, LifecycleKind, SamplingParams  # noqa: E402
 from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
+from ikcode.engines.embedded.threads import hand_threads_to_engine  # noqa: E402
 from ikcode.model.config import ModelConfig  # noqa: E402
 from ikcode.model.loader import LoadedModel, load_model  # noqa: E402
 
@@ -173,10 +174,12 @@ def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) ->
     kv_bytes = model.config.kv_bytes_per_token * (args.long_tokens + args.tail_tokens + 512)
     row: dict = {"threads": threads, "load_avg_start": load_average()}
     engine = EngineBench(model, threads, kv_bytes)
-    hf = None if args.skip_transformers else SideProcess(transformers_side, args.model, threads)
+    hf = None
     prefill_prompt = lambda: random_prompt(rng, args.prefill_tokens, vocab)  # noqa: E731
     decode_prompt = lambda: random_prompt(rng, 32, vocab)  # noqa: E731
     try:
+        if not args.skip_transformers:
+            hf = SideProcess(transformers_side, args.model, threads)
         engine.run(random_prompt(rng, 64, vocab), max_tokens=4)  # warm-up
         measures = {
             "engine_prefill_tps": lambda: engine.prefill_tps(prefill_prompt()),
@@ -264,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
+    hand_threads_to_engine(None)  # before any torch op here (threads.py); each engine gets --threads
     model = load_model(args.model)
     how = "weight cache hit" if model.from_cache else "dequantized"
     print(f"model {model.config.name} from {model.source} ({how} in {model.load_seconds:.2f} s); "

@@ -27,18 +27,18 @@ def _call(method: str, args: tuple) -> Any:
     return getattr(_side, method)(*args)
 
 
-def _built() -> bool:
-    return _side is not None
-
-
 class SideProcess:
     """`factory(*args)` built in a spawned child; `call(name, ...)` runs its method there."""
 
     def __init__(self, factory: Callable[..., Any], *args: Any):
-        self._pool = ProcessPoolExecutor(
-            1, mp_context=multiprocessing.get_context("spawn"), initializer=_build, initargs=(factory, args)
-        )
-        self._pool.submit(_built).result()  # built (or its error, raised here)
+        # One worker: every call goes to the process that built the side. Built by a call, not an
+        # initializer, so that a failure comes back here with its traceback.
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            self._pool.submit(_build, factory, args).result()
+        except BaseException:
+            self._pool.shutdown()
+            raise
 
     def call(self, method: str, *args: Any) -> Any:
         return self._pool.submit(_call, method, args).result()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from ikcode.engines.base import EngineRequest, LifecycleKind, SamplingParams
@@ -38,3 +39,10 @@ def test_the_builder_gives_its_threads_to_the_engine_thread():
     worker.join(60)
     assert built.is_set()
     assert seen == {"builder": 1, "engine": 2, "tokens": 2}
+
+
+def test_a_thread_count_below_one_is_refused_when_built():
+    # The engine thread sets it as it starts: a bad count there would kill the thread silently.
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="num_threads"):
+            tiny_engine(num_threads=bad, start=False)

@@ -20,7 +20,8 @@ class EmbeddedEngineConfig:
     # that arrives during a step waits for the step to end, and every decode token with it: this
     # bounds how long a warm turn waits behind a cold prompt's chunk.
     long_prefill_chunk_tokens: int = 256
-    # torch threads of the engine thread (threads.py); None: the count of the thread that builds it.
+    # torch threads of the engine thread (threads.py); None: the count the first thread to build an
+    # engine in this process had.
     num_threads: int | None = None
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when present)
     model_name: str | None = None  # served name; default: the ModelConfig's name
@@ -39,6 +40,8 @@ class EmbeddedEngineConfig:
     def validate(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1 (or None), got {self.num_threads}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_prefill_tokens_per_step <= 0:

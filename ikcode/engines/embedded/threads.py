@@ -1,4 +1,4 @@
-"""One OpenMP team in the process: the engine thread's.
+"""One OpenMP team per engine: its thread's, and no other thread's beside it.
 
 torch's CPU kernels split their work over an OpenMP team, and libgomp gives every thread that
 starts a parallel region a team of its own. Once the teams' threads outnumber the CPUs, libgomp
@@ -10,7 +10,10 @@ so it paid that wake-up in every kernel. Measured with torch 2.13 on two cores: 
 SmolLM2-135M's int8 decode matmuls (120 a step) 4.1 ms from a lone thread, 9.0 ms from the second.
 
 So the thread that builds an engine gives up its parallelism (one torch thread: its ops run
-inline, it never starts a team), and the engine thread takes the count the caller had.
+inline), and the engine thread takes the count the caller had. Lowering a thread does not end a
+team it has already started (its workers live on, counted): call `hand_threads_to_engine` before
+the thread's first parallel op, i.e. before loading the model (ikcode/stack.py does); the engine
+calls it again when built, which then only returns the count.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ _callers_count: int | None = None  # the caller's torch thread count before it w
 
 
 def hand_threads_to_engine(requested: int | None) -> int:
-    """Lower the calling thread to one torch thread; return the count the engine thread should set
-    (`requested`, else what the first engine's caller had: torch's default or its own setting)."""
+    """Lower the calling thread to one torch thread; return the count the engine thread should set:
+    `requested`, else the count of the first thread in the process that called this (torch's
+    default or that thread's own setting), remembered here."""
     global _callers_count
     if _callers_count is None:
         _callers_count = torch.get_num_threads()

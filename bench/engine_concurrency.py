@@ -27,6 +27,7 @@ The machine may be shared: engine and llama.cpp runs alternate, the best of --re
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -163,18 +164,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             context = args.prompt_tokens + args.output_tokens + 16
             llama = SideProcess(LlamaCppSide, gguf, args.threads, context)
+        sides = {"engine": engine.aggregate_tps}
+        if llama is not None:
+            sides["llamacpp"] = functools.partial(llama.call, "aggregate_tps")
         engine.aggregate_tps([random_prompt(rng, 16, vocab)], 4, args.temperature)  # warm-up
         for n in counts:
             best = dict.fromkeys(("engine", "engine_decode", "llamacpp", "llamacpp_decode"), 0.0)
             for _ in range(args.repeats):
                 prompts = [random_prompt(rng, args.prompt_tokens, vocab) for _ in range(n)]
-                sides = {"engine": engine} | ({"llamacpp": llama} if llama is not None else {})
-                for name, side in sides.items():
-                    both, decode = (
-                        side.aggregate_tps(prompts, args.output_tokens, args.temperature)
-                        if isinstance(side, EngineSide)
-                        else side.call("aggregate_tps", prompts, args.output_tokens, args.temperature)
-                    )
+                for name, aggregate_tps in sides.items():
+                    both, decode = aggregate_tps(prompts, args.output_tokens, args.temperature)
                     best[name] = max(best[name], both)
                     best[name + "_decode"] = max(best[name + "_decode"], decode)
             rows.append({"streams": n, **best, "load_avg": os.getloadavg()[0]})

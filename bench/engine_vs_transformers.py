@@ -15,8 +15,8 @@ generate() overhead, which is the most favourable reading of its speed. The mach
 with other work, so the two run interleaved (engine, transformers, engine, ...), and each number is
 the best of --repeats runs: background load only ever slows a run down, so the best run is the
 closest to the machine's real speed. The 1-minute load average is printed next to each section
-(above the core count means other work competed). Compare numbers from the same run only. transformers (and
-accelerate) are bench dependencies, not runtime ones.
+(above the core count means other work competed). Compare numbers from the same run only.
+transformers (and accelerate) are bench dependencies, not runtime ones.
 """
 
 from __future__ import annotations

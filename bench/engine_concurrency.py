@@ -12,7 +12,7 @@ stream's first / time from the first first-token to the last final token). `--in
 the engine's batch-invariance mode
 (EmbeddedEngineConfig.batch_invariance): "greedy" (the default) serves these sampled requests on
 the shared path, "all" shows what full batch invariance costs; `--weights` the decode weights
-(int8 by default, as the local profile runs).
+(int4 by default, as the local profile runs).
 
 llama.cpp runs through llama-cpp-python (`Llama.generate` over the same token ids, the same
 sampling, n_threads = --threads), in a process of its own (bench/side_process.py says why). Its
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.2)
     parser.add_argument("--invariance", default="greedy", choices=("all", "greedy", "off"))
-    parser.add_argument("--weights", default="int8", choices=("fp32", "int8"))
+    parser.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
     parser.add_argument("--repeats", type=int, default=2, help="runs per measure (best kept)")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--seed", type=int, default=0)

@@ -1,16 +1,18 @@
-"""Int8 decode weights vs fp32 on the default model: greedy agreement and a perplexity delta.
+"""Quantized decode weights (int8, int4) vs fp32 on the default model: greedy agreement and a
+perplexity delta.
 
     .venv/bin/python bench/quantized_quality.py [--prompts 20] [--tokens 256] [--threads 2]
+        [--weights int8,int4]
 
 Greedy agreement: 20 fixed chat prompts, each answered greedily for --tokens tokens (EOS ignored)
 by two engines over the same weights, both with batch_invariance="off" (so greedy requests take
-the shared decode path): weights="fp32" and weights="int8". Printed: the share of positions with
+the shared decode path): weights="fp32" and each of --weights. Printed: the share of positions with
 the same token, and the tokens before the first difference (mean, and how many prompts agree all
 the way). Once two answers differ they continue from different text, so the first difference is
 the strict measure.
 
 Perplexity: a fixed English text through the model in 8-row groups (as 8 concurrent decode rows
-share a matmul), fp32 vs int8 weights, same prompt attention; exp(mean NLL of each next token).
+share a matmul), fp32 vs quantized weights, same prompt attention; exp(mean NLL of each next token).
 """
 
 from __future__ import annotations
@@ -130,40 +132,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", default="int8,int4", help="quantized kinds, each compared with fp32")
     args = parser.parse_args(argv)
 
     model = load_model(None)
     torch.set_num_threads(args.threads)
     print(f"model {model.config.name}; {args.threads} threads; load average {os.getloadavg()[0]:.2f}")
     fp32 = make_engine(model, args.threads, "fp32")
-    int8 = make_engine(model, args.threads, "int8")
     try:
         text = model.tokenizer.encode(TEXT)
         ppl_fp32 = perplexity(fp32, text, quantized=False)
-        ppl_int8 = perplexity(int8, text, quantized=True)
-        print(f"perplexity over {len(text)} tokens: fp32 {ppl_fp32:.3f}, int8 {ppl_int8:.3f} "
-              f"({100 * (ppl_int8 / ppl_fp32 - 1):+.2f}%)")  # fmt: skip
+        prompts = [chat_tokens(model, p) for p in PROMPTS[: args.prompts]]
+        reference = [greedy(fp32, prompt, args.tokens) for prompt in prompts]
+        for kind in args.weights.split(","):
+            compare(model, args, kind, text, ppl_fp32, prompts, reference)
+    finally:
+        fp32.shutdown(drain_timeout_s=5)
+    return 0
+
+
+def compare(model, args, kind, text, ppl_fp32, prompts, reference) -> None:
+    engine = make_engine(model, args.threads, kind)
+    try:
+        ppl = perplexity(engine, text, quantized=True)
+        print(f"perplexity over {len(text)} tokens: fp32 {ppl_fp32:.3f}, {kind} {ppl:.3f} "
+              f"({100 * (ppl / ppl_fp32 - 1):+.2f}%)")  # fmt: skip
         same = total = 0
         firsts = []
         started = time.monotonic()
-        for text_prompt in PROMPTS[: args.prompts]:
-            prompt = chat_tokens(model, text_prompt)
-            a, b = greedy(fp32, prompt, args.tokens), greedy(int8, prompt, args.tokens)
+        for text_prompt, prompt, a in zip(PROMPTS, prompts, reference, strict=False):
+            b = greedy(engine, prompt, args.tokens)
             same += sum(x == y for x, y in zip(a, b, strict=False))
             total += len(a)
             first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
             firsts.append(first)
             print(f"  {first:>4} tokens before the first difference: {text_prompt}", flush=True)
         full = sum(f == args.tokens for f in firsts)
-        print(f"greedy agreement over {args.tokens} tokens on {len(firsts)} prompts: "
+        print(f"{kind}: greedy agreement with fp32 over {args.tokens} tokens on {len(firsts)} prompts: "
               f"{100 * same / total:.1f}% of positions the same; first difference after "
               f"{sum(firsts) / len(firsts):.1f} tokens on average; {full}/{len(firsts)} prompts identical "
               f"all the way ({time.monotonic() - started:.0f} s; "
               f"load average {os.getloadavg()[0]:.2f})")  # fmt: skip
     finally:
-        fp32.shutdown(drain_timeout_s=5)
-        int8.shutdown(drain_timeout_s=5)
-    return 0
+        engine.shutdown(drain_timeout_s=5)
 
 
 if __name__ == "__main__":

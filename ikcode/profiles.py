@@ -52,8 +52,8 @@ class ModelSection(_Section):
     max_num_seqs: int = Field(8, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Decode weights of requests that share a batch: "int8" reads a quarter of fp32's bytes per
-    # step (CPU); see EmbeddedEngineConfig.weights.
-    weights: Literal["fp32", "int8"] = "fp32"
+    # step, "int4" about an eighth (CPU); see EmbeddedEngineConfig.weights.
+    weights: Literal["fp32", "int8", "int4"] = "fp32"
     # Requests whose numbers never depend on the batch: "greedy" (temperature 0), "all", "off".
     batch_invariance: Literal["all", "greedy", "off"] = "greedy"
     # Used when a request names no temperature (Claude Code's main loop never does).

@@ -53,7 +53,7 @@ def test_engine_with_int8_weights_serves_concurrent_streams():
     expected = [fp32.submit(EngineRequest(f"f{i}", p, params)).collect(30)[0] for i, p in enumerate(prompts)]
     fp32.shutdown()
     engine = tiny_engine(batch_invariance="off", weights="int8", start=False, max_num_seqs=8)
-    assert engine.runner.int8_weight_bytes > 0
+    assert engine.runner.quantized_weight_bytes > 0
     streams = [engine.submit(EngineRequest(f"q{i}", p, params)) for i, p in enumerate(prompts)]
     engine.start()
     got = [s.collect(30)[0] for s in streams]

@@ -112,16 +112,18 @@ def tiny_engine(
     start: bool = True,
     release_lag_steps: int = 0,
     final_token_bug: bool = False,
+    state_dict: dict[str, torch.Tensor] | None = None,
     **config,
 ) -> InstrumentedEngine:
     """A InstrumentedEngine over the tiny model, one torch thread, on CPU; start=False leaves the engine
-    thread off, so requests submitted before start() share the first steps."""
+    thread off, so requests submitted before start() share the first steps. state_dict: other
+    weights for the same tiny architecture."""
     cfg = tiny_config(architecture, tie)
     defaults = dict(kv_memory_bytes=256 * 1024, num_threads=1, device="cpu", max_prefill_tokens_per_step=64)
     defaults.update(config)
     engine = InstrumentedEngine(
         cfg,
-        tiny_state_dict(cfg, seed),
+        tiny_state_dict(cfg, seed) if state_dict is None else state_dict,
         EmbeddedEngineConfig(**defaults),
         release_lag_steps=release_lag_steps,
         final_token_bug=final_token_bug,

@@ -46,6 +46,9 @@ class Int8Weight:
     nbytes: int  # what the int8 copy takes (weights, scales, sums, bias)
     calibration: torch.Tensor  # fp32 [1, in]: -1, 1, then zeros (the first row of a batched call)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self)
+
 
 def pack(weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Weight:
     """Int8 copy of an [in, out] fp32 matrix (+ fp32 bias)."""

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ikcode.model import int8
+from ikcode.model import quantized
 from ikcode.model.config import ModelConfig
 from ikcode.model.paged_attention import DecodeBatch, SeqAttention, attend_group
 
@@ -58,8 +58,8 @@ class RowGroup:
 
     start: int
     end: int
-    # Through the int8 weights when the model has them (LlamaModel.quantize_int8): never for
-    # batch-invariant rows (see int8.py).
+    # Through the quantized weights when the model has them (LlamaModel.quantize): never for
+    # batch-invariant rows (see int8.py, int4.py).
     quantized: bool = False
 
 
@@ -67,7 +67,8 @@ class RowGroup:
 class ForwardBatch:
     input_ids: torch.Tensor  # long [rows]
     positions: torch.Tensor  # long [rows]
-    write_rows: torch.Tensor  # long: rows whose K/V go to the pool (padding rows excluded)
+    # long: rows whose K/V go to the pool (padding rows excluded); None: every row, in order
+    write_rows: torch.Tensor | None
     write_slots: torch.Tensor  # long: flat pool slot of each of those rows
     seqs: list[SeqAttention]  # attended one sequence at a time
     row_groups: list[RowGroup]
@@ -94,20 +95,15 @@ def grouped_linear(
     weight_t: torch.Tensor,
     bias: torch.Tensor | None,
     groups: list[RowGroup],
-    packed: int8.Int8Weight | None = None,
+    packed: quantized.QuantizedWeight | None = None,
 ) -> torch.Tensor:
     def one(group: RowGroup) -> torch.Tensor:
         rows = x if (group.start, group.end) == (0, x.shape[0]) else x[group.start : group.end]
         if group.quantized and packed is not None:
-            return int8.linear(rows, packed)
+            return packed.linear(rows)
         return linear_t(rows, weight_t, bias)
 
     return one(groups[0]) if len(groups) == 1 else torch.cat([one(g) for g in groups])
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -130,14 +126,14 @@ class DecoderLayer(nn.Module):
         self.o_weight_t = nn.Parameter(torch.empty(q_out, cfg.hidden_size))
         self.gate_up_weight_t = nn.Parameter(torch.empty(cfg.hidden_size, 2 * cfg.intermediate_size))
         self.down_weight_t = nn.Parameter(torch.empty(cfg.intermediate_size, cfg.hidden_size))
-        self.packed: dict[str, int8.Int8Weight] = {}  # int8 copies (quantize_int8)
+        self.packed: dict[str, quantized.QuantizedWeight] = {}  # quantized copies (quantize)
 
-    def quantize_int8(self) -> None:
+    def quantize(self, kind: quantized.Kind) -> None:
         self.packed = {
-            "qkv": int8.pack(self.qkv_weight_t, self.qkv_bias),
-            "o": int8.pack(self.o_weight_t),
-            "gate_up": int8.pack(self.gate_up_weight_t),
-            "down": int8.pack(self.down_weight_t),
+            "qkv": quantized.pack(kind, self.qkv_weight_t, self.qkv_bias),
+            "o": quantized.pack(kind, self.o_weight_t),
+            "gate_up": quantized.pack(kind, self.gate_up_weight_t),
+            "down": quantized.pack(kind, self.down_weight_t),
         }
 
     def attention(
@@ -155,17 +151,27 @@ class DecoderLayer(nn.Module):
         qk = qk.view(rows, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.qk_norm_weight is not None:
             qk = F.rms_norm(qk, (self.head_dim,), None, self.rms_norm_eps) * self.qk_norm_weight
-        qk = qk * cos + rotate_half(qk) * sin  # q and k heads rotated together
+        # q and k heads rotated together. Rotate-half RoPE, x * cos + [-x2, x1] * sin, as
+        # x * cos + [x2, x1] * [-sin1, sin2]: one roll instead of two slices, a negation and a cat
+        # (the same products, so the same numbers).
+        qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
         flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)
         flat_v = v_pool.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, batch.write_slots, k.index_select(0, batch.write_rows))
-        flat_v.index_copy_(0, batch.write_slots, v.index_select(0, batch.write_rows))
-        out = torch.empty(rows, self.q_size, dtype=x.dtype, device=x.device)
-        if batch.write_rows.numel() < rows:
-            out.zero_()  # padding rows (every other row writes K/V): keep them finite
+        if batch.write_rows is None:
+            flat_k.index_copy_(0, batch.write_slots, k)
+            flat_v.index_copy_(0, batch.write_slots, v)
+        else:
+            flat_k.index_copy_(0, batch.write_slots, k.index_select(0, batch.write_rows))
+            flat_v.index_copy_(0, batch.write_slots, v.index_select(0, batch.write_rows))
         kvh, hd, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        if not batch.seqs and batch.decode is not None:  # decode rows only: one call is the output
+            out = batch.decode.attend(q, k_pool, v_pool, kvh)
+            return grouped_linear(out, self.o_weight_t, None, batch.row_groups, self.packed.get("o"))
+        out = torch.empty(rows, self.q_size, dtype=x.dtype, device=x.device)
+        if batch.write_rows is not None and batch.write_rows.numel() < rows:
+            out.zero_()  # padding rows (every other row writes K/V): keep them finite
         for s in batch.seqs:
             # Read (or gathered) once per sequence; each group takes a prefix of the keys (a view).
             kk, vv = s.keys_and_values(k_pool, v_pool)
@@ -200,8 +206,9 @@ class DecoderLayer(nn.Module):
         k_pool: torch.Tensor,
         v_pool: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.attention(self.input_layernorm(x), batch, cos, sin, k_pool, v_pool)
-        return x.add_(self.mlp(self.post_attention_layernorm(x), batch.row_groups))
+        # .forward, not __call__: modules without hooks, called 60 times a step.
+        x = x + self.attention(self.input_layernorm.forward(x), batch, cos, sin, k_pool, v_pool)
+        return x.add_(self.mlp(self.post_attention_layernorm.forward(x), batch.row_groups))
 
 
 class LlamaModel(nn.Module):
@@ -219,16 +226,22 @@ class LlamaModel(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim))
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings).float(), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        ones = torch.ones_like(freqs)
         self.register_buffer("rope_cos", emb.cos(), persistent=False)
-        self.register_buffer("rope_sin", emb.sin(), persistent=False)
-        self.lm_head_packed: int8.Int8Weight | None = None
+        # sin with its first half negated: see DecoderLayer.attention.
+        self.register_buffer("rope_sin", emb.sin() * torch.cat((-ones, ones), dim=-1), persistent=False)
+        self.lm_head_packed: quantized.QuantizedWeight | None = None
 
-    def quantize_int8(self) -> int:
-        """Add int8 copies of every matmul weight (fp32 stays for batch-invariant rows); returns
+    def quantize(self, kind: quantized.Kind) -> int:
+        """Add `kind` copies of every matmul weight (fp32 stays for batch-invariant rows); returns
         the bytes they take."""
         for layer in self.layers:
-            layer.quantize_int8()
-        self.lm_head_packed = int8.pack(self.lm_head_t)
+            layer.quantize(kind)
+        # The output layer stays int8 under int4: GGUFs keep it at 8 bits or more (SmolLM2's is
+        # the tied Q8_0 embedding), and 4 bits there cost the most. Measured with
+        # bench/quantized_quality.py: int4 everywhere, perplexity +6.6% and greedy answers apart
+        # from fp32 after 9.6 tokens on average; int8 output layer, -0.4% and 76.9 tokens.
+        self.lm_head_packed = quantized.pack("int8" if kind == "int4" else kind, self.lm_head_t)
         packs = [self.lm_head_packed] + [p for layer in self.layers for p in layer.packed.values()]
         return sum(p.nbytes for p in packs)
 
@@ -267,14 +280,14 @@ class LlamaModel(nn.Module):
         cos = self.rope_cos[batch.positions].unsqueeze(1)
         sin = self.rope_sin[batch.positions].unsqueeze(1)
         for i, layer in enumerate(self.layers):
-            x = layer(x, batch, cos, sin, k_pools[i], v_pools[i])
+            x = layer.forward(x, batch, cos, sin, k_pools[i], v_pools[i])
         return x
 
     def logits(self, hidden_rows: torch.Tensor, alone: list[bool]) -> torch.Tensor:
         """Logits of the selected rows. A row marked alone goes through its own one-row fp32
         matmul (the same kernel whatever else samples in the step: batch-invariant; with [in, out]
         weights a one-row matmul streams the 49,152-column output layer about as fast per row as
-        a 4-row one); the others share one matmul (int8 when quantized), so the output layer is
+        a 4-row one); the others share one matmul (quantized when the model is), so the output layer is
         read once for all of them."""
         h = self.norm(hidden_rows)
         shared = [i for i, a in enumerate(alone) if not a]
@@ -291,4 +304,4 @@ class LlamaModel(nn.Module):
 
     def _shared_logits(self, rows: torch.Tensor) -> torch.Tensor:
         packed = self.lm_head_packed
-        return int8.linear(rows, packed) if packed is not None else torch.mm(rows, self.lm_head_t)
+        return packed.linear(rows) if packed is not None else torch.mm(rows, self.lm_head_t)

@@ -31,9 +31,10 @@ class EmbeddedEngineConfig:
     # cold check, reproducible answers) or "off". Other decode rows share one matmul per weight
     # and one attention call: the weights are read once per step for all of them.
     batch_invariance: Literal["all", "greedy", "off"] = "greedy"
-    # "int8": the decode rows that share a matmul read int8 copies of the weights (a quarter of the
-    # bytes; ikcode/model/int8.py), CPU only; fp32 stays for prompts and batch-invariant rows.
-    weights: Literal["fp32", "int8"] = "fp32"
+    # "int8" / "int4": the decode rows that share a matmul read int8 copies of the weights (a
+    # quarter of the bytes; ikcode/model/int8.py) or 4-bit ones in groups of 32 (about an eighth;
+    # int4.py: a Q4_1 GGUF's own blocks), CPU only; fp32 stays for prompts and batch-invariant rows.
+    weights: Literal["fp32", "int8", "int4"] = "fp32"
     cache_policy: str = "lru"
     idle_wait_s: float = 0.05  # how long the idle engine thread sleeps between inbox checks
 
@@ -50,5 +51,5 @@ class EmbeddedEngineConfig:
             raise ValueError("long_prefill_chunk_tokens must be >= 1")
         if self.batch_invariance not in ("all", "greedy", "off"):
             raise ValueError(f"batch_invariance must be all, greedy or off, got {self.batch_invariance!r}")
-        if self.weights not in ("fp32", "int8"):
-            raise ValueError(f"weights must be fp32 or int8, got {self.weights!r}")
+        if self.weights not in ("fp32", "int8", "int4"):
+            raise ValueError(f"weights must be fp32, int8 or int4, got {self.weights!r}")

@@ -46,12 +46,12 @@ class ModelRunner:
         model = LlamaModel(cfg)
         model.load_hf_state_dict(state_dict)
         self.model = model.to(device).eval().requires_grad_(False)
-        self.int8_weight_bytes = 0
-        if weights == "int8":
-            if device.type != "cpu":  # fbgemm's kernels are CPU kernels
-                logger.warning("int8 weights are a CPU feature; %s keeps fp32", device)
+        self.quantized_weight_bytes = 0
+        if weights != "fp32":
+            if device.type != "cpu":  # fbgemm's and torch's int4 kernels here are CPU kernels
+                logger.warning("%s weights are a CPU feature; %s keeps fp32", weights, device)
             else:
-                self.int8_weight_bytes = self.model.quantize_int8()
+                self.quantized_weight_bytes = self.model.quantize(weights)
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_pool = torch.zeros(shape, dtype=torch.float32, device=device)
         self.v_pool = torch.zeros(shape, dtype=torch.float32, device=device)
@@ -106,7 +106,7 @@ class ModelRunner:
         Rows, in order, each part one matmul per weight:
         1. prompt chunks, always batch-invariant (fp32, a multiple of 4 rows; llama.py), so a
            cached prompt block holds the same K/V whichever request computed it;
-        2. decode rows that may vary with the batch: the weights (int8 when quantized) are read
+        2. decode rows that may vary with the batch: the weights (quantized when the model is) are read
            once for all of them, and they attend in one call over a padded block table;
         3. each batch-invariant decode row alone (fp32 one-row matmul, attention over exactly its
            keys)."""
@@ -130,7 +130,7 @@ class ModelRunner:
         batch = ForwardBatch(
             self._ids(rows.ids),
             self._ids(rows.positions),
-            self._ids(rows.write_rows),
+            None if len(rows.write_rows) == len(rows.ids) else self._ids(rows.write_rows),
             self._ids(rows.write_slots),
             rows.seqs,
             rows.row_groups,

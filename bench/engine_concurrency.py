@@ -12,7 +12,7 @@ stream's first / time from the first first-token to the last final token). `--in
 the engine's batch-invariance mode
 (EmbeddedEngineConfig.batch_invariance): "greedy" (the default) serves these sampled requests on
 the shared path, "all" shows what full batch invariance costs; `--weights` the decode weights
-(int4 by default, as the local profile runs).
+and `--float-weights` the prompts' (int4 and auto by default, as the local profile runs).
 
 llama.cpp runs through llama-cpp-python (`Llama.generate` over the same token ids, the same
 sampling, n_threads = --threads), in a process of its own (bench/side_process.py says why). Its
@@ -55,7 +55,9 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 
 class EngineSide:
-    def __init__(self, model: LoadedModel, threads: int, invariance: str, weights: str, max_streams: int):
+    def __init__(
+        self, model: LoadedModel, threads: int, invariance: str, weights: tuple[str, str], max_streams: int
+    ):
         self.engine = EmbeddedEngine(
             model.config,
             model.state_dict,
@@ -65,7 +67,8 @@ class EngineSide:
                 device="cpu",
                 max_num_seqs=max_streams,
                 batch_invariance=invariance,
-                weights=weights,
+                weights=weights[0],
+                float_weights=weights[1],
             ),
         )
         self.engine.start()
@@ -138,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.2)
     parser.add_argument("--invariance", default="greedy", choices=("all", "greedy", "off"))
     parser.add_argument("--weights", default="int4", choices=("fp32", "int8", "int4"))
+    parser.add_argument("--float-weights", default="auto", choices=("fp32", "bf16", "auto"))
     parser.add_argument("--repeats", type=int, default=2, help="runs per measure (best kept)")
     parser.add_argument("--skip-llamacpp", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -152,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.config.vocab_size
     print(f"model {model.config.name} ({gguf.name}); {args.threads} threads; {os.cpu_count()} cores; "
           f"load average {os.getloadavg()[0]:.2f}")  # fmt: skip
-    engine = EngineSide(model, args.threads, args.invariance, args.weights, max(counts))
+    engine = EngineSide(model, args.threads, args.invariance, (args.weights, args.float_weights), max(counts))
     llama = None
     why_not = ""
     rows = []
@@ -185,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{args.prompt_tokens}-token prompts, {args.output_tokens} output tokens per stream, "
           f"temperature {args.temperature}, engine batch_invariance={args.invariance} "
-          f"weights={args.weights}; best of {args.repeats}")  # fmt: skip
+          f"weights={args.weights}, float_weights={args.float_weights}; best of {args.repeats}")  # fmt: skip
     print(
         "llama.cpp: "
         + ("llama-cpp-python, streams served one after another" if llama else f"skipped: {why_not}")

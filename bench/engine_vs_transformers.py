@@ -53,11 +53,13 @@ def random_prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 # ---- embedded engine --------------------------------------------------------------------------
 class EngineBench:
-    def __init__(self, model: LoadedModel, threads: int, kv_bytes: int):
+    def __init__(self, model: LoadedModel, threads: int, kv_bytes: int, float_weights: str = "fp32"):
         self.engine = EmbeddedEngine(  # the engine thread takes `threads` (engines/embedded/threads.py)
             model.config,
             model.state_dict,
-            EmbeddedEngineConfig(kv_memory_bytes=kv_bytes, num_threads=threads, device="cpu"),
+            EmbeddedEngineConfig(
+                kv_memory_bytes=kv_bytes, num_threads=threads, device="cpu", float_weights=float_weights
+            ),
         )
         self._released: dict[str, threading.Event] = {}
         self.engine_threads: list[int] = []
@@ -173,7 +175,7 @@ def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) ->
     vocab = model.config.vocab_size
     kv_bytes = model.config.kv_bytes_per_token * (args.long_tokens + args.tail_tokens + 512)
     row: dict = {"threads": threads, "load_avg_start": load_average()}
-    engine = EngineBench(model, threads, kv_bytes)
+    engine = EngineBench(model, threads, kv_bytes, args.float_weights)
     hf = None
     prefill_prompt = lambda: random_prompt(rng, args.prefill_tokens, vocab)  # noqa: E731
     decode_prompt = lambda: random_prompt(rng, 32, vocab)  # noqa: E731
@@ -261,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="runs per speed measure (best kept)")
     parser.add_argument("--ttft-repeats", type=int, default=1, help="cold/warm pairs (best kept)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--float-weights", default="fp32", choices=("fp32", "bf16"), help="the engine's (transformers: fp32)"
+    )
     parser.add_argument("--skip-ttft", action="store_true")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--json", dest="json_out", default=None, help="write the results here")

@@ -84,12 +84,16 @@ def chat_tokens(model: LoadedModel, text: str) -> list[int]:
 
 
 def make_engine(model: LoadedModel, threads: int, weights: str) -> EmbeddedEngine:
+    """weights: fp32, int8, int4, or bf16 (every matmul in bf16: EmbeddedEngineConfig.float_weights)."""
+    float_weights = "bf16" if weights == "bf16" else "fp32"
+    weights = "fp32" if weights == "bf16" else weights
     config = EmbeddedEngineConfig(
         kv_memory_bytes=64 * 1024 * 1024,
         num_threads=threads,
         device="cpu",
         batch_invariance="off",
         weights=weights,
+        float_weights=float_weights,
     )
     engine = EmbeddedEngine(model.config, model.state_dict, config)
     engine.start()
@@ -132,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--weights", default="int8,int4", help="quantized kinds, each compared with fp32")
+    parser.add_argument(
+        "--weights", default="int8,int4,bf16", help="int8, int4 (decode rows), bf16 (all rows): each vs fp32"
+    )
     args = parser.parse_args(argv)
 
     model = load_model(None)
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 def compare(model, args, kind, text, ppl_fp32, prompts, reference) -> None:
     engine = make_engine(model, args.threads, kind)
     try:
-        ppl = perplexity(engine, text, quantized=True)
+        ppl = perplexity(engine, text, quantized=kind != "bf16")
         print(f"perplexity over {len(text)} tokens: fp32 {ppl_fp32:.3f}, {kind} {ppl:.3f} "
               f"({100 * (ppl / ppl_fp32 - 1):+.2f}%)")  # fmt: skip
         same = total = 0

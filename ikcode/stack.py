@@ -57,12 +57,17 @@ def _embedded_engine(profile: Profile, model_path: str | None) -> tuple[Engine, 
             num_threads=profile.model.threads,
             device=profile.model.device,
             weights=profile.model.weights,
+            float_weights=profile.model.float_weights,
             batch_invariance=profile.model.batch_invariance,
             model_name=profile.served_model,
             cache_policy=str(profile.cache.get("policy", "lru")),
         ),
     )
-    what = f"embedded engine on {engine.info.device}, {loaded.config.name} from {loaded.source}"
+    runner = engine.runner
+    what = (
+        f"embedded engine on {engine.info.device}, {loaded.config.name} from {loaded.source} "
+        f"(weights {runner.float_weights}; sampled decode rows {runner.decode_weights})"
+    )
     return engine, loaded.tokenizer, what
 
 

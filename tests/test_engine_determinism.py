@@ -49,17 +49,24 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
-def test_batched_equals_one_at_a_time():
+@pytest.mark.parametrize("float_weights", ["fp32", "bf16"])
+def test_batched_equals_one_at_a_time(float_weights: str):
     rng = random.Random(1)
     prompts = [_prompt(rng, rng.randrange(5, 150)) for _ in range(8)]
-    alone = tiny_engine()
+    alone = tiny_engine(float_weights=float_weights)
     kv_alone = record_kv(alone)
     expected = [alone.submit(EngineRequest(f"a{i}", p, GREEDY)).collect(30)[0] for i, p in enumerate(prompts)]
     alone.shutdown()
 
     batched = tiny_engine(
-        start=False, max_num_seqs=8, max_prefill_tokens_per_step=96, kv_memory_bytes=1 << 20
+        start=False,
+        max_num_seqs=8,
+        max_prefill_tokens_per_step=96,
+        kv_memory_bytes=1 << 20,
+        float_weights=float_weights,
     )
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[float_weights]
+    assert batched.runner.model.layers[0].qkv_weight_t.dtype == dtype
     kv_batched = record_kv(batched)
     streams = [batched.submit(EngineRequest(f"b{i}", p, GREEDY)) for i, p in enumerate(prompts)]
     batched.start()
@@ -72,10 +79,14 @@ def test_batched_equals_one_at_a_time():
     batched.shutdown()
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_cached_prefix_equals_cold(architecture: str):
+@pytest.mark.parametrize(
+    ("architecture", "float_weights"), [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "bf16")]
+)
+def test_cached_prefix_equals_cold(architecture: str, float_weights: str):
     rng = random.Random(7 if architecture == "llama" else 8)
-    engine = tiny_engine(architecture, start=False, kv_memory_bytes=1024 * 1024, max_num_seqs=6)
+    engine = tiny_engine(
+        architecture, start=False, kv_memory_bytes=1024 * 1024, max_num_seqs=6, float_weights=float_weights
+    )
     kv = record_kv(engine)
     engine.start()
     warm_hits = 0

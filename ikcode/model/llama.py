@@ -86,7 +86,11 @@ class RMSNorm(nn.Module):
 
 
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ weight_t (+ bias), weight_t stored [in, out]: see "Weight layout" above."""
+    """x @ weight_t (+ bias), weight_t stored [in, out]: see "Weight layout" above. bf16 weights
+    (LlamaModel.matmul_weights_to) take bf16 activations and give fp32 back."""
+    if weight_t.dtype == torch.bfloat16:
+        out = torch.mm(x.to(torch.bfloat16), weight_t).float()
+        return out if bias is None else out.add_(bias)
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
@@ -244,6 +248,14 @@ class LlamaModel(nn.Module):
         self.lm_head_packed = quantized.pack("int8" if kind == "int4" else kind, self.lm_head_t)
         packs = [self.lm_head_packed] + [p for layer in self.layers for p in layer.packed.values()]
         return sum(p.nbytes for p in packs)
+
+    def matmul_weights_to(self, dtype: torch.dtype) -> None:
+        """Keep the decoder layers' matmul weights (not norms, embeddings or the output layer) in
+        `dtype`. Quantized copies are taken from the fp32 weights: quantize first."""
+        for layer in self.layers:
+            for name in ("qkv_weight_t", "o_weight_t", "gate_up_weight_t", "down_weight_t"):
+                weight = getattr(layer, name)
+                setattr(layer, name, nn.Parameter(weight.detach().to(dtype), requires_grad=False))
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Take weights named as Hugging Face names them (q/k already in rotate-half order)."""

@@ -59,6 +59,7 @@ def build_kv_pools(
         device,
         config.batch_invariance,
         config.weights,
+        config.float_weights,
     )
     # A tier's budget is a ceiling: check it against the tensors actually allocated.
     for tier, used, budget in (

@@ -27,6 +27,12 @@ from ikcode.model.paged_attention import (
 logger = logging.getLogger(__name__)
 
 
+def fast_bf16_cpu() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX): elsewhere bf16
+    matmuls are emulated and slower than fp32."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -38,6 +44,7 @@ class ModelRunner:
         device: torch.device,
         batch_invariance: str,
         weights: str = "fp32",
+        float_weights: str = "fp32",
     ):
         self.cfg = cfg
         self.device = device
@@ -51,7 +58,14 @@ class ModelRunner:
             if device.type != "cpu":  # fbgemm's and torch's int4 kernels here are CPU kernels
                 logger.warning("%s weights are a CPU feature; %s keeps fp32", weights, device)
             else:
-                self.quantized_weight_bytes = self.model.quantize(weights)
+                self.quantized_weight_bytes = self.model.quantize(weights)  # from the fp32 weights
+        if float_weights == "auto":
+            float_weights = "bf16" if device.type == "cpu" and fast_bf16_cpu() else "fp32"
+        self.float_weights = float_weights  # prompts' and batch-invariant rows' weights
+        if float_weights == "bf16":
+            self.model.matmul_weights_to(torch.bfloat16)
+        # What the decode rows that share a batch read.
+        self.decode_weights = weights if self.quantized_weight_bytes else float_weights
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_pool = torch.zeros(shape, dtype=torch.float32, device=device)
         self.v_pool = torch.zeros(shape, dtype=torch.float32, device=device)

@@ -52,7 +52,7 @@ class ModelSection(_Section):
     max_num_seqs: int = Field(8, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # Decode weights of requests that share a batch: "int8" reads a quarter of fp32's bytes per
-    # step, "int4" about an eighth (CPU); see EmbeddedEngineConfig.weights.
+    # step, "int4" about a sixth (CPU); see EmbeddedEngineConfig.weights.
     weights: Literal["fp32", "int8", "int4"] = "fp32"
     # Weights of prompt rows and batch-invariant decode rows: "bf16" (native bf16 CPUs: ~2x the
     # prompt speed), "auto" (bf16 where the CPU has it), "fp32"; see EmbeddedEngineConfig.

@@ -8,7 +8,8 @@ import torch
 
 from ikcode.engines.embedded import EmbeddedEngineConfig
 from ikcode.engines.embedded.model_runner import fast_bf16_cpu
-from tests.tiny_model import tiny_engine
+from ikcode.model import int4
+from tests.tiny_model import tiny_config, tiny_engine, tiny_state_dict
 
 
 @pytest.mark.parametrize(
@@ -18,6 +19,8 @@ from tests.tiny_model import tiny_engine
         ("fp32", "bf16", torch.bfloat16, "bf16"),
         ("int4", "bf16", torch.bfloat16, "int4"),
         ("int8", "fp32", torch.float32, "int8"),
+        ("int8", "bf16", torch.bfloat16, "int8"),
+        ("int4", "fp32", torch.float32, "int4"),
     ],
 )
 def test_the_runner_reads_the_weights_it_reports(weights, float_weights, layer_dtype, decode_weights):
@@ -42,3 +45,15 @@ def test_an_unknown_kind_is_refused_when_built():
         EmbeddedEngineConfig(float_weights="fp16").validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="weights must be fp32, int8 or int4"):
         EmbeddedEngineConfig(weights="int3").validate()  # type: ignore[arg-type]
+
+
+def test_quantized_copies_come_from_the_fp32_weights():
+    """bf16 first would pack bf16-rounded weights: the quantized copies are taken before, and
+    quantizing a model already in bf16 is refused."""
+    engine = tiny_engine(weights="int4", float_weights="bf16", start=False)
+    fp32 = tiny_state_dict(tiny_config("llama", False), 0)["model.layers.0.mlp.down_proj.weight"]
+    packed = engine.runner.model.layers[0].packed["down"]
+    assert torch.equal(packed.scales_and_zeros, int4.quantize(fp32.t())[1])
+    with pytest.raises(RuntimeError, match="before matmul_weights_to"):
+        engine.runner.model.quantize("int4")
+    engine.shutdown()

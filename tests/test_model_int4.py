@@ -13,8 +13,6 @@ import torch
 
 from ikcode.engines.base import EngineRequest, SamplingParams
 from ikcode.model import int4, int8, quantized
-from ikcode.model.default_model import find_default_model_file
-from ikcode.model.loader import load_model
 from tests.tiny_model import assert_pool_clean, tiny_config, tiny_engine, tiny_state_dict
 
 Q4_1_BLOCK_BYTES = 20  # ggml's block_q4_1: fp16 d, fp16 m, 16 bytes of nibbles for 32 weights
@@ -27,11 +25,12 @@ def q4_1_codes(tensor) -> np.ndarray:
     return np.concatenate([blocks & 0x0F, blocks >> 4], axis=-1).reshape(tensor.data.shape[0], -1)
 
 
-def test_the_default_models_q4_1_blocks_come_back_as_its_own_codes():
-    path = find_default_model_file()
-    tensor = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.ffn_down.weight")
+def test_the_default_models_q4_1_blocks_come_back_as_its_own_codes(default_model):
+    tensor = next(
+        t for t in gguf.GGUFReader(default_model.source).tensors if t.name == "blk.0.ffn_down.weight"
+    )
     assert tensor.tensor_type.name == "Q4_1"
-    weight = load_model(path).state_dict["model.layers.0.mlp.down_proj.weight"]  # [out, in], fp32
+    weight = default_model.state_dict["model.layers.0.mlp.down_proj.weight"]  # [out, in], fp32
     codes, pairs = int4.quantize(weight.t())
     assert np.array_equal(codes.numpy(), q4_1_codes(tensor))
     # What moves is the scale and minimum, rounded from fp16 to bf16: well under a step.
@@ -66,30 +65,38 @@ def test_a_matrix_int4_cannot_group_falls_back_to_int8():
         quantized.pack("int3", torch.randn(32, 16))  # type: ignore[arg-type]
 
 
-def four_bit_weights() -> dict[str, torch.Tensor]:
+def four_bit_weights(architecture: str) -> dict[str, torch.Tensor]:
     """The tiny model's weights with every matrix int4 can pack already on the 4-bit grid, as a
     Q4_1 GGUF's are: int4 then differs from fp32 only by its bf16 rounding."""
-    weights = tiny_state_dict(tiny_config("llama", False), 0)
+    weights = tiny_state_dict(tiny_config(architecture, False), 0)
     for name, w in weights.items():
         if w.dim() == 2 and "embed" not in name and int4.fits(w.t()):
             weights[name] = int4.dequantize(*int4.quantize(w.t())).t().contiguous()
     return weights
 
 
-def test_engine_with_int4_weights_serves_concurrent_streams(monkeypatch):
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])  # qwen2: q/k/v with a bias
+def test_engine_with_int4_weights_serves_concurrent_streams(monkeypatch, architecture: str):
     calls = []
     real_linear = int4.Int4Weight.linear
     monkeypatch.setattr(int4.Int4Weight, "linear", lambda w, x: calls.append(len(x)) or real_linear(w, x))
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(5, 60))] for _ in range(6)]
     params = SamplingParams(max_tokens=24, ignore_eos=True)  # greedy, so comparable
-    fp32 = tiny_engine(batch_invariance="off", state_dict=four_bit_weights())
+    fp32 = tiny_engine(architecture, batch_invariance="off", state_dict=four_bit_weights(architecture))
     expected = [fp32.submit(EngineRequest(f"f{i}", p, params)).collect(30)[0] for i, p in enumerate(prompts)]
     fp32.shutdown()
     engine = tiny_engine(
-        batch_invariance="off", weights="int4", start=False, max_num_seqs=8, state_dict=four_bit_weights()
+        architecture,
+        batch_invariance="off",
+        weights="int4",
+        start=False,
+        max_num_seqs=8,
+        state_dict=four_bit_weights(architecture),
     )
-    int8_bytes = tiny_engine(weights="int8", start=False).runner.quantized_weight_bytes
+    int8_engine = tiny_engine(architecture, weights="int8", start=False)
+    int8_bytes = int8_engine.runner.quantized_weight_bytes
+    int8_engine.shutdown()
     assert 0 < engine.runner.quantized_weight_bytes < int8_bytes
     streams = [engine.submit(EngineRequest(f"q{i}", p, params)) for i, p in enumerate(prompts)]
     engine.start()

@@ -140,8 +140,9 @@ def test_engine_greedy_tokens_match_transformers(loaded: LoadedModel, reference)
     assert ours == ids[len(PROMPT) :]
 
 
-def test_cached_prefix_equals_cold() -> None:
-    determinism.test_cached_prefix_equals_cold("qwen3")
+@pytest.mark.parametrize("float_weights", ["fp32", "bf16"])
+def test_cached_prefix_equals_cold(float_weights: str) -> None:
+    determinism.test_cached_prefix_equals_cold("qwen3", float_weights)
 
 
 def write_qwen3_gguf(path: Path, state_dict: dict[str, torch.Tensor]) -> Path:

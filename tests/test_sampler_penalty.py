@@ -93,7 +93,9 @@ def test_default_model_hello_py_same_cold_and_warm_at_the_local_profile_settings
     engine = EmbeddedEngine(
         default_model.config,
         default_model.state_dict,
-        EmbeddedEngineConfig(kv_memory_bytes=1 << 28, num_threads=2),
+        EmbeddedEngineConfig(
+            kv_memory_bytes=1 << 28, num_threads=2, weights=model.weights, float_weights=model.float_weights
+        ),
     )
     engine.start()
     try:

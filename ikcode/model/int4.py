@@ -1,7 +1,7 @@
 """4-bit weights for decode matmuls, kept 4-bit: x @ W through torch's CPU int4 GEMM.
 
 A decode step is a chain of few-row matmuls bound by how many weight bytes it reads: 4 bits plus
-a bf16 scale and zero per 32 weights read about half of int8's bytes. Weights are quantized in
+a bf16 scale and zero per 32 weights, 5 bits a weight, read 5/8 of int8's bytes. Weights are quantized in
 groups of GROUP consecutive input channels per output channel, asymmetric over the group's
 [min, max] (15 steps), the way a GGUF's Q4_1 blocks are: for the default model, whose weights
 arrive as Q4_1 blocks of 32, quantizing the dequantized blocks gives back their own codes (the
@@ -17,7 +17,7 @@ writes bf16. So zero = min + 8 * scale. With fp32 activations it falls back to a
 fp32 is the activations' and outputs' bf16 rounding (2^-9 relative) on top of the weights'
 4 bits. Each row is computed on its own (fp32 accumulation in the same order whatever the row
 count), but rows still go through int4 only where they may vary with the batch (see llama.py):
-batch-invariant rows keep the fp32 weights.
+batch-invariant rows keep the float weights (fp32 or bf16).
 
 Measured on matmuls of SmolLM2-135M's shapes (a step's 121, two threads, weights streamed from
 memory as in a step): one row 3.6 ms vs int8's 5.0 ms; eight rows 8.0 ms vs 9.5 ms.
@@ -42,7 +42,7 @@ class Int4Weight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W (+ bias) for fp32 x [rows, in]; fp32 out."""
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16, memory_format=torch.contiguous_format),
+            x.to(torch.bfloat16).contiguous(),  # the kernel takes only contiguous bf16
             self.codes,
             GROUP,
             self.scales_and_zeros,

@@ -24,7 +24,7 @@ int32); elsewhere fbgemm sums pairs of products in int16, which can saturate, so
 against fp32 ~1.4% with 8 bits, ~2.3% with 7.
 
 A row's result depends only on that row, but the int8 numbers differ from fp32: batch-invariant
-rows keep the fp32 weights.
+rows keep the float weights (fp32 or bf16).
 """
 
 from __future__ import annotations

@@ -26,7 +26,10 @@ Weight layout. Every matmul weight is stored transposed, [in, out], and applied 
 step is a chain of one-row matmuls bound by memory bandwidth, and MKL streams an [in, out] matrix
 markedly faster for one row (measured on this model: the 30 layers' matmuls ~25% faster, the
 49,152-row output layer ~1.9x); many-row prompt matmuls are as fast or faster. The rule for a
-token's numbers (multiple-of-4 rows, or one row alone) was checked to hold for this layout too.
+token's numbers (multiple-of-4 rows, or one row alone) was checked to hold for this layout too,
+and for bf16 weights (`matmul_weights_to`, oneDNN's bf16 GEMM on an AVX512-BF16 CPU: each of
+SmolLM2's matmuls, 1-256 rows, 1 and 2 threads, gave every row the same bits whatever the row
+count). bf16 prompt matmuls run ~2x fp32's speed on such a CPU; elsewhere they are emulated.
 
 Speed. Prompt rows are grouped by visible_keys (a multiple of QUERY_GROUP): rows early in a chunk
 skip the keys they cannot see (for a 512-token prompt from scratch, ~40% of the attention work),
@@ -237,8 +240,10 @@ class LlamaModel(nn.Module):
         self.lm_head_packed: quantized.QuantizedWeight | None = None
 
     def quantize(self, kind: quantized.Kind) -> int:
-        """Add `kind` copies of every matmul weight (fp32 stays for batch-invariant rows); returns
-        the bytes they take."""
+        """Add `kind` copies of every matmul weight (batch-invariant rows keep the float weights);
+        returns the bytes they take. Taken from fp32 weights: before matmul_weights_to."""
+        if self.layers[0].qkv_weight_t.dtype != torch.float32:
+            raise RuntimeError("quantize from the fp32 weights, before matmul_weights_to")
         for layer in self.layers:
             layer.quantize(kind)
         # The output layer stays int8 under int4: GGUFs keep it at 8 bits or more (SmolLM2's is

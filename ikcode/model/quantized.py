@@ -1,5 +1,6 @@
 """Quantized copies of the matmul weights, read by the decode rows that may vary with the batch
-(llama.py): which kinds there are and how one is built. fp32 stays for everything else."""
+(llama.py): which kinds there are and how one is built. Every other row reads the float
+weights (fp32, or bf16: LlamaModel.matmul_weights_to)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,9 @@ class EmbeddedEngineConfig:
     # and one attention call: the weights are read once per step for all of them.
     batch_invariance: Literal["all", "greedy", "off"] = "greedy"
     # "int8" / "int4": the decode rows that share a matmul read int8 copies of the weights (a
-    # quarter of the bytes; ikcode/model/int8.py) or 4-bit ones in groups of 32 (about an eighth;
-    # int4.py: a Q4_1 GGUF's own blocks), CPU only; fp32 stays for prompts and batch-invariant rows.
+    # quarter of fp32's bytes; ikcode/model/int8.py) or 4-bit ones in groups of 32 (5 bits a
+    # weight with the group's scale and zero, about a sixth; int4.py: a Q4_1 GGUF's own blocks),
+    # CPU only; prompts and batch-invariant rows keep the float weights below.
     weights: Literal["fp32", "int8", "int4"] = "fp32"
     # The weights of every other matmul row (prompts, batch-invariant decode rows): "bf16" halves
     # the bytes and, on a CPU with AVX512-BF16 or AMX, runs prompt matmuls ~2x faster (llama.py);

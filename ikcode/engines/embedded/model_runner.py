@@ -56,7 +56,7 @@ class ModelRunner:
         self.quantized_weight_bytes = 0
         if weights != "fp32":
             if device.type != "cpu":  # fbgemm's and torch's int4 kernels here are CPU kernels
-                logger.warning("%s weights are a CPU feature; %s keeps fp32", weights, device)
+                logger.warning("%s weights are a CPU feature; %s keeps its float weights", weights, device)
             else:
                 self.quantized_weight_bytes = self.model.quantize(weights)  # from the fp32 weights
         if float_weights == "auto":
@@ -118,11 +118,11 @@ class ModelRunner:
         """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none).
 
         Rows, in order, each part one matmul per weight:
-        1. prompt chunks, always batch-invariant (fp32, a multiple of 4 rows; llama.py), so a
+        1. prompt chunks, always batch-invariant (float weights, a multiple of 4 rows; llama.py), so a
            cached prompt block holds the same K/V whichever request computed it;
         2. decode rows that may vary with the batch: the weights (quantized when the model is) are read
            once for all of them, and they attend in one call over a padded block table;
-        3. each batch-invariant decode row alone (fp32 one-row matmul, attention over exactly its
+        3. each batch-invariant decode row alone (one-row matmul, attention over exactly its
            keys)."""
         rows = _Rows(self.block_size)
         prefills = [s for s in scheduled if not s.seq.is_decoding]

@@ -164,21 +164,26 @@ class DecoderLayer(nn.Module):
         qk = qk * cos + qk.roll(self.head_dim // 2, dims=-1) * sin
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(rows, self.num_kv_heads, self.head_dim)
-        flat_k = k_pool.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_pool.view(-1, self.num_kv_heads, self.head_dim)
-        if batch.write_rows is None:
-            flat_k.index_copy_(0, batch.write_slots, k)
-            flat_v.index_copy_(0, batch.write_slots, v)
-        else:
-            flat_k.index_copy_(0, batch.write_slots, k.index_select(0, batch.write_rows))
-            flat_v.index_copy_(0, batch.write_slots, v.index_select(0, batch.write_rows))
-        kvh, hd, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
+        if batch.write_rows is not None:  # padding rows write nothing
+            k, v = k.index_select(0, batch.write_rows), v.index_select(0, batch.write_rows)
+        k_pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.write_slots, k)
+        v_pool.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, batch.write_slots, v)
         if not batch.seqs and batch.decode is not None:  # decode rows only: one call is the output
-            out = batch.decode.attend(q, k_pool, v_pool, kvh)
-            return grouped_linear(out, self.o_weight_t, None, batch.row_groups, self.packed.get("o"))
-        out = torch.empty(rows, self.q_size, dtype=x.dtype, device=x.device)
+            out = batch.decode.attend(q, k_pool, v_pool, self.num_kv_heads)
+        else:
+            out = self._attend_rows(q, batch, k_pool, v_pool)
+        return grouped_linear(out, self.o_weight_t, None, batch.row_groups, self.packed.get("o"))
+
+    def _attend_rows(
+        self, q: torch.Tensor, batch: ForwardBatch, k_pool: torch.Tensor, v_pool: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention output [rows, q_size] of a batch with prompt or batch-invariant rows: each
+        sequence's query groups over its own keys, then the shared decode rows in one call."""
+        rows = q.shape[0]
+        out = torch.empty(rows, self.q_size, dtype=q.dtype, device=q.device)
         if batch.write_rows is not None and batch.write_rows.numel() < rows:
             out.zero_()  # padding rows (every other row writes K/V): keep them finite
+        kvh, hd, group = self.num_kv_heads, self.head_dim, self.num_heads // self.num_kv_heads
         for s in batch.seqs:
             # Read (or gathered) once per sequence; each group takes a prefix of the keys (a view).
             kk, vv = s.keys_and_values(k_pool, v_pool)
@@ -195,7 +200,7 @@ class DecoderLayer(nn.Module):
             d0 = batch.decode.row_start
             d1 = d0 + batch.decode.block_table.shape[0]
             out[d0:d1] = batch.decode.attend(q[d0:d1], k_pool, v_pool, kvh)
-        return grouped_linear(out, self.o_weight_t, None, batch.row_groups, self.packed.get("o"))
+        return out
 
     def mlp(self, x: torch.Tensor, groups: list[RowGroup]) -> torch.Tensor:
         packed = self.packed

@@ -4,14 +4,14 @@ weights (fp32, or bf16: LlamaModel.matmul_weights_to)."""
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
 from ikcode.model import int4, int8
 
 Kind = Literal["int8", "int4"]
-KINDS: tuple[Kind, ...] = ("int8", "int4")
+KINDS: tuple[Kind, ...] = get_args(Kind)
 
 
 class QuantizedWeight(Protocol):

@@ -172,7 +172,7 @@ def test_tier_budgets_hold_against_the_real_tensors():
     host_slot_bytes = host_bytes // engine.cache.num_host_blocks  # measured, from the tensors
     assert host_slot_bytes == BLOCK_BYTES and engine.cache.num_host_blocks == 30
     assert runner.host_pinned is (torch.cuda.is_available() and engine.device.type == "cuda")
-    pointers = [t.data_ptr() for t in (runner.k_pool, runner.v_pool, runner.k_host, runner.v_host)]
+    pointers = [t.data_ptr() for t in (runner.k_pool, runner.v_pool, runner.host.k, runner.host.v)]
     peaks = {"device": 0, "host": 0}
 
     def probe() -> None:
@@ -191,7 +191,7 @@ def test_tier_budgets_hold_against_the_real_tensors():
         probe()
     assert peaks["host"] == 30  # the workload did fill the host tier
     # Nothing grew or moved behind the budget's back.
-    assert [t.data_ptr() for t in (runner.k_pool, runner.v_pool, runner.k_host, runner.v_host)] == pointers
+    assert [t.data_ptr() for t in (runner.k_pool, runner.v_pool, runner.host.k, runner.host.v)] == pointers
     assert (runner.device_kv_bytes, runner.host_kv_bytes) == (device_bytes, host_bytes)
     assert_pool_clean(engine)
     engine.shutdown()

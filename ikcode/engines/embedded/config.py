@@ -13,6 +13,9 @@ class EmbeddedEngineConfig:
     # Copy each block to the host tier when it is committed, so that evicting it from the device
     # later costs no copy (a block already on the host is dropped from the device for free).
     host_write_through: bool = False
+    # On CUDA, tier copies go through a page-locked staging buffer of this many blocks, paid for out
+    # of host_kv_memory_bytes (host_kv.py says why). Unused on CPU.
+    tier_staging_blocks: int = 64
     block_size: int = 16
     max_num_seqs: int = 8
     max_prefill_tokens_per_step: int = 512  # chunked-prefill token budget per engine step
@@ -48,6 +51,8 @@ class EmbeddedEngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1 (or None), got {self.num_threads}")
+        if self.tier_staging_blocks < 0:
+            raise ValueError(f"tier_staging_blocks must be >= 0, got {self.tier_staging_blocks}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_prefill_tokens_per_step <= 0:

@@ -45,11 +45,13 @@ def build_kv_pools(
             f"kv_memory_bytes={config.kv_memory_bytes} holds {num_blocks} blocks of "
             f"{block_bytes} bytes; at least 2 are needed"
         )
-    num_host = (
-        blocks_for_budget(bs, bytes_budget=config.host_kv_memory_bytes, bytes_per_block=block_bytes)
-        if config.host_kv_memory_bytes
-        else 0
-    )
+    host_budget = config.host_kv_memory_bytes
+    num_host = 0
+    if host_budget:
+        num_host = blocks_for_budget(bs, bytes_budget=host_budget, bytes_per_block=block_bytes)
+    # CUDA: the tier's page-locked staging buffer comes out of the same budget (host_kv.py).
+    staging = min(config.tier_staging_blocks, num_host // 2) if device.type == "cuda" and num_host else 0
+    num_host -= staging
     runner = ModelRunner(
         mc,
         state_dict,
@@ -60,6 +62,7 @@ def build_kv_pools(
         config.batch_invariance,
         config.weights,
         config.float_weights,
+        staging,
     )
     # A tier's budget is a ceiling: check it against the tensors actually allocated.
     for tier, used, budget in (

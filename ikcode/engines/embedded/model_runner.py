@@ -2,7 +2,7 @@
 
 The pool is one preallocated tensor per K and V: [layers, num_blocks, block_size, kv_heads,
 head_dim]. It is also the cache's KVStore when a host tier is configured (block copies to and
-from a host tensor of the same layout).
+from host tensors of the same layout: host_kv.py).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from ikcode.engines.embedded.host_kv import HostKV
 from ikcode.engines.embedded.scheduler import ScheduledSeq
 from ikcode.engines.embedded.sequence import Sequence
 from ikcode.model.config import ModelConfig
@@ -45,6 +46,7 @@ class ModelRunner:
         batch_invariance: str,
         weights: str = "fp32",
         float_weights: str = "fp32",
+        staging_blocks: int = 0,
     ):
         self.cfg = cfg
         self.device = device
@@ -69,16 +71,8 @@ class ModelRunner:
         shape = (cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_pool = torch.zeros(shape, dtype=torch.float32, device=device)
         self.v_pool = torch.zeros(shape, dtype=torch.float32, device=device)
-        host_shape = (cfg.num_layers, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # Page-locked host memory makes host<->GPU copies DMA transfers; without CUDA it is
-        # unavailable (and pointless), so plain RAM then.
-        pin = device.type == "cuda" and torch.cuda.is_available()
-        self.k_host = (
-            torch.zeros(host_shape, dtype=torch.float32, pin_memory=pin) if num_host_blocks else None
-        )
-        self.v_host = (
-            torch.zeros(host_shape, dtype=torch.float32, pin_memory=pin) if num_host_blocks else None
-        )
+        layer_block = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.host = HostKV(layer_block, num_host_blocks, device, staging_blocks) if num_host_blocks else None
 
     # ---- what the tiers really occupy (measured from the tensors, not derived from settings) ---
     @property
@@ -87,26 +81,20 @@ class ModelRunner:
 
     @property
     def host_kv_bytes(self) -> int:
-        return sum(t.nbytes for t in (self.k_host, self.v_host) if t is not None)
+        return self.host.nbytes if self.host is not None else 0
 
     @property
     def host_pinned(self) -> bool:
-        return self.k_host is not None and self.k_host.is_pinned()
+        return self.host is not None and self.host.pinned
 
     # ---- KVStore ---------------------------------------------------------------------------
     def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
-        assert self.k_host is not None and self.v_host is not None
-        dev = torch.tensor([d for d, _ in pairs], device=self.device)
-        host = torch.tensor([h for _, h in pairs])
-        self.k_host[:, host] = self.k_pool[:, dev].cpu()
-        self.v_host[:, host] = self.v_pool[:, dev].cpu()
+        assert self.host is not None
+        self.host.copy_device_to_host(self.k_pool, self.v_pool, pairs)
 
     def copy_host_to_device(self, pairs: list[tuple[int, int]]) -> None:
-        assert self.k_host is not None and self.v_host is not None
-        host = torch.tensor([h for h, _ in pairs])
-        dev = torch.tensor([d for _, d in pairs], device=self.device)
-        self.k_pool[:, dev] = self.k_host[:, host].to(self.device)
-        self.v_pool[:, dev] = self.v_host[:, host].to(self.device)
+        assert self.host is not None
+        self.host.copy_host_to_device(self.k_pool, self.v_pool, pairs)
 
     # ---- one step --------------------------------------------------------------------------
     def is_invariant(self, seq: Sequence) -> bool:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ikcode.cache import hash_blocks
+from ikcode.engines.embedded.host_kv import HostKV
 from tests.test_tiers_engine import BLOCK_BYTES, BS, fill_device, prompt_of, run
 from tests.tiny_model import assert_pool_clean, block_bytes, tiny_engine
 
@@ -22,14 +23,42 @@ def cuda_engine(**config):
     return tiny_engine(**defaults)
 
 
-def test_host_tier_is_page_locked_with_its_staging_buffer_inside_the_budget():
-    engine = cuda_engine(tier_staging_blocks=16)
+@pytest.mark.parametrize("staging_blocks, host_blocks", [(16, 112), (12, 112)])
+def test_staging_buffers_are_page_locked_and_paid_for_out_of_the_host_budget(staging_blocks, host_blocks):
+    # 16 blocks of K (2 layers x 16 x 2 x 16 fp32) are 64 KiB, a power of two; 12 are 48 KiB, which
+    # torch's page-locked allocator rounds up to 64 KiB: the tier loses 16 blocks either way.
+    engine = cuda_engine(tier_staging_blocks=staging_blocks)
     runner = engine.runner
-    assert engine.device.type == "cuda" and runner.k_pool.is_cuda
-    assert runner.host_pinned and runner.host.staging_blocks == 16
-    assert engine.cache.num_host_blocks == 128 - 16
+    assert engine.device.type == "cuda" and engine.device.index is not None and runner.k_pool.is_cuda
+    assert runner.host_pinned and runner.host._stage_k.is_pinned() and runner.host._stage_v.is_pinned()
+    assert not runner.host.k.is_pinned()  # the tier is only touched by the CPU
+    assert runner.host.staging_blocks == staging_blocks
+    assert engine.cache.num_host_blocks == host_blocks
     assert runner.host_kv_bytes == 128 * BLOCK_BYTES  # tier + staging, within host_kv_memory_bytes
     engine.shutdown()
+
+
+def test_staged_copies_wait_for_the_device():
+    # A busy stream (torch.cuda._sleep) before every copy: a copy that read the staging buffer
+    # before its transfer landed, or refilled it while one still read it, moves the wrong bytes.
+    device = torch.device("cuda", torch.cuda.current_device())
+    layer_block = (2, 16, 2, 16)
+    k_pool = torch.randn(2, 40, 16, 2, 16, device=device)
+    v_pool = torch.randn(2, 40, 16, 2, 16, device=device)
+    tier = HostKV(layer_block, 30, device, staging_blocks=3)
+    pairs = [(b, 29 - b) for b in range(0, 20, 2)]  # 10 blocks: four chunks
+    torch.cuda._sleep(10**8)
+    tier.copy_device_to_host(k_pool, v_pool, pairs)
+    for block, slot in pairs:
+        assert torch.equal(tier.k[:, slot], k_pool[:, block].cpu())
+        assert torch.equal(tier.v[:, slot], v_pool[:, block].cpu())
+    back = [(slot, 39 - i) for i, (_, slot) in enumerate(pairs)]
+    torch.cuda._sleep(10**8)
+    tier.copy_host_to_device(k_pool, v_pool, back)
+    torch.cuda.synchronize()
+    for slot, block in back:
+        assert torch.equal(k_pool[:, block].cpu(), tier.k[:, slot])
+        assert torch.equal(v_pool[:, block].cpu(), tier.v[:, slot])
 
 
 @pytest.mark.parametrize("staging_blocks", [4, 64])

@@ -13,14 +13,20 @@ import torch
 
 from ikcode.cache import PrefixCache, blocks_for_budget, kv_bytes_per_block
 from ikcode.engines.embedded.config import EmbeddedEngineConfig
+from ikcode.engines.embedded.host_kv import HostKV
 from ikcode.engines.embedded.model_runner import ModelRunner
 from ikcode.model.config import ModelConfig
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        # A definite index: the engine thread's current device may not be the one that was
+        # current here, and its tensors must land next to the pool.
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 @dataclass
@@ -49,9 +55,16 @@ def build_kv_pools(
     num_host = 0
     if host_budget:
         num_host = blocks_for_budget(bs, bytes_budget=host_budget, bytes_per_block=block_bytes)
-    # CUDA: the tier's page-locked staging buffer comes out of the same budget (host_kv.py).
+    # CUDA: the tier's page-locked staging buffers come out of the same budget (host_kv.py).
     staging = min(config.tier_staging_blocks, num_host // 2) if device.type == "cuda" and num_host else 0
-    num_host -= staging
+    if staging:
+        layer_block = (mc.num_layers, bs, mc.num_kv_heads, mc.head_dim)
+        pinned = torch.cuda.is_available()
+        left = host_budget - HostKV.staging_reserved_bytes(layer_block, staging, pinned)
+        num_host = blocks_for_budget(bs, bytes_budget=max(0, left), bytes_per_block=block_bytes)
+        if num_host < 1:  # too small a tier to stage: direct copies
+            staging = 0
+            num_host = blocks_for_budget(bs, bytes_budget=host_budget, bytes_per_block=block_bytes)
     runner = ModelRunner(
         mc,
         state_dict,

@@ -42,7 +42,7 @@ from ikcode.engines.base import (
 )
 from ikcode.engines.embedded.config import EmbeddedEngineConfig
 from ikcode.engines.embedded.kv_pools import build_kv_pools, resolve_device
-from ikcode.engines.embedded.sampler import sample
+from ikcode.engines.embedded.sampler import sample_rows
 from ikcode.engines.embedded.scheduler import ScheduledSeq, Scheduler, committable_hashes
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
 from ikcode.engines.embedded.threads import hand_threads_to_engine
@@ -229,12 +229,22 @@ class EmbeddedEngine:
             return
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_tokens
-        for row, index in enumerate(which):
-            seq = scheduled[index].seq
+        seqs = [scheduled[index].seq for index in which]
+        try:
+            tokens = sample_rows(
+                logits,
+                [seq.request.sampling for seq in seqs],
+                [seq.generator for seq in seqs],
+                [seq.token_ids for seq in seqs],
+            )
+        except Exception as exc:
+            logger.exception("sampling failed for %d sequences", len(seqs))
+            for seq in seqs:
+                self._fail(seq, exc)
+            return
+        for seq, token in zip(seqs, tokens, strict=True):
             try:
-                self._append_token(
-                    seq, sample(logits[row], seq.request.sampling, seq.generator, seq.token_ids)
-                )
+                self._append_token(seq, token)
             except Exception as exc:
                 self._fail(seq, exc)
 

@@ -107,19 +107,44 @@ def test_forward_failure_fails_only_that_step_and_frees_blocks(engine, monkeypat
 
 
 def test_sampling_failure_fails_only_that_request(engine, monkeypatch):
-    real_sample = engine_module.sample
+    # A step's rows are sampled at once; when that raises, the engine samples them one by one, so
+    # only the request whose sampling fails is failed.
+    real_rows, real_sample = engine_module.sample_rows, engine_module.sample
+
+    def picky_rows(logits, params, generators, token_ids):
+        if any(p.seed == 666 for p in params):
+            raise ValueError("bad sampler state")
+        return real_rows(logits, params, generators, token_ids)
 
     def picky(logits, params, generator, token_ids=()):
         if params.seed == 666:
             raise ValueError("bad sampler state")
         return real_sample(logits, params, generator, token_ids)
 
+    monkeypatch.setattr(engine_module, "sample_rows", picky_rows)
     monkeypatch.setattr(engine_module, "sample", picky)
     bad = engine.submit(EngineRequest("bad", [5] * 30, SamplingParams(max_tokens=5, seed=666)))
     good = engine.submit(EngineRequest("good", [6] * 30, OK))
     assert bad.collect(30)[1].finish_reason is FinishReason.ERROR
     tokens, final = good.collect(30)
     assert final.finish_reason is FinishReason.LENGTH and len(tokens) == 4
+    _serves(engine)
+
+
+def test_a_seeded_request_draws_the_same_tokens_when_its_step_falls_back_to_one_by_one(engine, monkeypatch):
+    # The fallback restores each generator's state from before the batched attempt: a seeded
+    # request next to one whose sampling fails gets the tokens it gets alone.
+    params = SamplingParams(max_tokens=6, temperature=0.9, seed=7, ignore_eos=True)
+    alone, _ = engine.submit(EngineRequest("alone", [6] * 30, params, cache_salt="a")).collect(30)
+    real_rows = engine_module.sample_rows
+
+    def draws_then_fails(logits, params_list, generators, token_ids):
+        real_rows(logits, params_list, generators, token_ids)  # every generator advances
+        raise ValueError("failed after drawing")
+
+    monkeypatch.setattr(engine_module, "sample_rows", draws_then_fails)
+    tokens, final = engine.submit(EngineRequest("again", [6] * 30, params, cache_salt="b")).collect(30)
+    assert final.error is None and tokens == alone
     _serves(engine)
 
 

@@ -17,7 +17,7 @@ MIX = [
     SamplingParams(temperature=1.0, top_k=40, seed=3),
     SamplingParams(temperature=0.9, top_p=0.9, seed=4),
     SamplingParams(temperature=0.5, repeat_penalty=1.3, frequency_penalty=0.2, seed=5),
-    SamplingParams(temperature=1.3, seed=6),
+    SamplingParams(temperature=1.3, top_k=100_000, seed=6),  # top_k past the vocabulary: plain
     SamplingParams(temperature=0.2, seed=1),  # the same seed as row 0, its own generator
 ]
 

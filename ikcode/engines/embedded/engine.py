@@ -42,7 +42,7 @@ from ikcode.engines.base import (
 )
 from ikcode.engines.embedded.config import EmbeddedEngineConfig
 from ikcode.engines.embedded.kv_pools import build_kv_pools, resolve_device
-from ikcode.engines.embedded.sampler import sample_rows
+from ikcode.engines.embedded.sampler import sample, sample_rows
 from ikcode.engines.embedded.scheduler import ScheduledSeq, Scheduler, committable_hashes
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
 from ikcode.engines.embedded.threads import hand_threads_to_engine
@@ -230,23 +230,40 @@ class EmbeddedEngine:
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_tokens
         seqs = [scheduled[index].seq for index in which]
-        try:
-            tokens = sample_rows(
-                logits,
-                [seq.request.sampling for seq in seqs],
-                [seq.generator for seq in seqs],
-                [seq.token_ids for seq in seqs],
-            )
-        except Exception as exc:
-            logger.exception("sampling failed for %d sequences", len(seqs))
-            for seq in seqs:
-                self._fail(seq, exc)
-            return
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, token in zip(seqs, self._sample(logits, seqs), strict=True):
+            if isinstance(token, Exception):
+                self._fail(seq, token)
+                continue
             try:
                 self._append_token(seq, token)
             except Exception as exc:
                 self._fail(seq, exc)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+        """Each row's next token, or what sampling it raised. All rows at once; if that raises,
+        row by row from the generators' states before the attempt, so one request's failure
+        fails only that request and a seeded request's draws are the ones it would have had."""
+        states = [seq.generator.get_state() if seq.generator is not None else None for seq in seqs]
+        try:
+            return list(
+                sample_rows(
+                    logits,
+                    [seq.request.sampling for seq in seqs],
+                    [seq.generator for seq in seqs],
+                    [seq.token_ids for seq in seqs],
+                )
+            )
+        except Exception:
+            logger.warning("sampling %d rows at once failed; sampling them one by one", len(seqs))
+        tokens: list[int | Exception] = []
+        for row, (seq, state) in enumerate(zip(seqs, states, strict=True)):
+            if state is not None:
+                seq.generator.set_state(state)
+            try:
+                tokens.append(sample(logits[row], seq.request.sampling, seq.generator, seq.token_ids))
+            except Exception as exc:
+                tokens.append(exc)
+        return tokens
 
     def _append_token(self, seq: Sequence, token: int) -> None:
         seq.token_ids.append(token)

@@ -79,9 +79,11 @@ def sample_rows(
 ) -> list[int]:
     """sample() for each row of logits [n, vocab], the same tokens. Rows drawn at a plain
     temperature (no top-k, no top-p: the common case) share one softmax and one cumulative sum
-    over the vocabulary: a row's softmax and cumulative sum are computed alone whatever the row
-    count (the same bits), and on 8 rows of 49,152 the shared calls take ~0.24 ms against
-    ~0.5 ms for 8 one-row ones (the cumulative sum is ~37 us a row)."""
+    over the vocabulary: on the CPU, in fp32 (the logits the engine hands over), a row's division,
+    softmax and cumulative sum are computed alone whatever the row count (the same bits; on CUDA
+    a division by a scalar is a multiplication by its reciprocal, other bits), and on 8 rows of
+    49,152 the shared calls take ~0.24 ms against ~0.5 ms for 8 one-row ones (the cumulative sum
+    is ~37 us a row)."""
     vocab = logits.shape[-1]
     rows = [penalize(logits[i], p, ids) for i, (p, ids) in enumerate(zip(params, token_ids, strict=True))]
     plain = [

@@ -245,13 +245,11 @@ class EmbeddedEngine:
         fails only that request and a seeded request's draws are the ones it would have had."""
         states = [seq.generator.get_state() if seq.generator is not None else None for seq in seqs]
         try:
-            return list(
-                sample_rows(
-                    logits,
-                    [seq.request.sampling for seq in seqs],
-                    [seq.generator for seq in seqs],
-                    [seq.token_ids for seq in seqs],
-                )
+            return sample_rows(
+                logits,
+                [seq.request.sampling for seq in seqs],
+                [seq.generator for seq in seqs],
+                [seq.token_ids for seq in seqs],
             )
         except Exception:
             logger.warning("sampling %d rows at once failed; sampling them one by one", len(seqs))

@@ -59,8 +59,7 @@ def build_kv_pools(
     staging = min(config.tier_staging_blocks, num_host // 2) if device.type == "cuda" and num_host else 0
     if staging:
         layer_block = (mc.num_layers, bs, mc.num_kv_heads, mc.head_dim)
-        pinned = torch.cuda.is_available()
-        left = host_budget - HostKV.staging_reserved_bytes(layer_block, staging, pinned)
+        left = host_budget - HostKV.staging_reserved_bytes(layer_block, staging, pinned=True)
         num_host = blocks_for_budget(bs, bytes_budget=max(0, left), bytes_per_block=block_bytes)
         if num_host < 1:  # too small a tier to stage: direct copies
             staging = 0

@@ -91,7 +91,29 @@ def test_a_30_mb_body_is_refused_by_size_while_a_small_request_is_served(served)
     wait_idle(engine)
 
 
-def test_a_prompt_over_the_character_bound_is_refused_before_tokenizing(served):
+def _oversized(where: str, big: str) -> tuple[dict, str]:
+    """(a request body carrying `big` in one place of the prompt, the path it is sent to)."""
+    tool = {"name": "Read", "description": "read a file", "input_schema": {"type": "object"}}
+    if where == "tool description":
+        return message(tools=[{**tool, "description": big}]), "/v1/messages"
+    if where == "tool call arguments":
+        call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": big}}
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}
+        messages = [
+            {"role": "user", "content": "read it"},
+            {"role": "assistant", "content": [call]},
+            {"role": "user", "content": [result]},
+        ]
+        return message(tools=[tool], messages=messages), "/v1/messages"
+    body = message(big)
+    if where == "count_tokens":
+        del body["max_tokens"]
+        return body, "/v1/messages/count_tokens"
+    return body, "/v1/messages"
+
+
+@pytest.mark.parametrize("where", ["message text", "tool description", "tool call arguments", "count_tokens"])
+def test_a_prompt_over_the_character_bound_is_refused_before_tokenizing(served, where):
     server, engine, gw, _ = served
     renders = []
     render = gw.renderer.render
@@ -99,11 +121,22 @@ def test_a_prompt_over_the_character_bound_is_refused_before_tokenizing(served):
     try:
         chars = gw.context_window * gw.max_token_chars + 10  # no tokenizer could fit it
         assert chars < gw.body_limit_bytes
-        text = assert_error(post(server, message("z" * chars)), 400)
+        body, path = _oversized(where, "z" * chars)
+        text = assert_error(post(server, body, path), 400)
     finally:
         gw.renderer.render = render
     assert text.startswith("prompt is too long: ") and "tokens > " in text  # Claude Code's wording
     assert renders == [], "the prompt was tokenized before its size was checked"
+
+
+def test_a_deferred_tool_description_is_not_counted(served):
+    """A deferred tool stays out of the prompt, so its size is the token check's to judge: a
+    request listing one with a huge description is served."""
+    server, engine, gw, _ = served
+    big = "z" * (gw.context_window * gw.max_token_chars + 10)
+    deferred = {"name": "Later", "description": big, "input_schema": {"type": "object"}, "defer_loading": True}
+    assert post(server, message(tools=[deferred])).status_code == 200
+    wait_idle(engine)
 
 
 # ---- sampling values the engine cannot sample from ---------------------------------------------

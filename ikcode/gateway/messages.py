@@ -221,5 +221,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
 
 async def count_tokens(gw: Gateway, body: CountTokensRequest) -> Response:
     check_model(gw, body.model)
+    # A prompt that cannot fit the window is refused before it is tokenized, as in create_message.
+    check_prompt_chars(body, gw.context_window, gw.max_token_chars)
     rendered = await run_in_threadpool(_render, gw, body)
     return JSONResponse({"input_tokens": len(rendered.token_ids)})

@@ -18,7 +18,7 @@ from typing import Any
 
 from ikcode.engines.base import PromptTooLong
 from ikcode.gateway.errors import invalid_request
-from ikcode.gateway.schemas import MessagesRequest
+from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 
 # Bytes of JSON one prompt token can take in a legitimate request: a token is a few characters,
 # a character at most 6 bytes escaped (\uXXXX), with block and tool-schema overhead around it.
@@ -46,9 +46,22 @@ def max_token_chars(tokenizer: Any) -> int | None:
     return longest or None
 
 
+def _string_chars(value: Any) -> int:
+    """Characters of the strings in a JSON value (keys included): a tool call's arguments are
+    rendered as JSON, so each of these strings stands in the prompt, escaped or as is."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(str(k)) + _string_chars(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_string_chars(v) for v in value)
+    return 0
+
+
 def _text_chars(content: Any) -> int:
-    """Characters of prompt text in a message's content (text and tool results; the rest is
-    left out, which only makes the bound lower: the token check still sees everything)."""
+    """Characters of prompt text in a message's content: text, tool results and tool calls'
+    arguments. The rest (thinking, which templates may drop) is left out, which only makes the
+    bound lower: the token check still sees everything."""
     if isinstance(content, str):
         return len(content.strip())
     total = 0
@@ -58,16 +71,31 @@ def _text_chars(content: Any) -> int:
             total += len(block.text.strip())
         elif kind == "tool_result":
             total += _text_chars(block.content)
+        elif kind in ("tool_use", "server_tool_use"):
+            total += _string_chars(block.input)
     return total
 
 
-def prompt_chars(body: MessagesRequest) -> int:
+def _tool_chars(tools: list[Any] | None) -> int:
+    """Characters of the descriptions of the tools the prompt lists (every tool format writes a
+    callable tool's description; deferred ones stay out until loaded)."""
+    return sum(
+        len((tool.description or "").strip())
+        for tool in tools or ()
+        if tool.input_schema is not None and not tool.defer_loading
+    )
+
+
+def prompt_chars(body: MessagesRequest | CountTokensRequest) -> int:
     system = body.system
     chars = len(system.strip()) if isinstance(system, str) else sum(len(s.text.strip()) for s in system or ())
+    chars += _tool_chars(body.tools)
     return chars + sum(_text_chars(message.content) for message in body.messages)
 
 
-def check_prompt_chars(body: MessagesRequest, context_window: int, token_chars: int | None) -> None:
+def check_prompt_chars(
+    body: MessagesRequest | CountTokensRequest, context_window: int, token_chars: int | None
+) -> None:
     """400 "prompt is too long" (Claude Code's wording, so it compacts) when the prompt text holds
     more characters than the window's tokens could spell; the count given is a lower bound."""
     if token_chars is None:

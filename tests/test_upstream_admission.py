@@ -142,7 +142,7 @@ def test_front_sheds_with_529_and_retry_after_then_serves_warm(tmp_path):
         assert warm.status_code == 200
         classes = [(r["status"], r.get("admission_class")) for r in front_records(tmp_path)]
         assert classes == [(529, "cold"), (200, "cold"), (200, "warm")]
-        health = httpx.get(front.url + "/health").json()["admission"]
+        health = httpx.get(front.url + "/health", headers={"x-api-key": FRONT_TOKEN}).json()["admission"]
         assert health[replica.url]["queue_wait"]["warm"]["admitted"] == 1
     finally:
         front.stop()

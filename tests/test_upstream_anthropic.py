@@ -76,13 +76,15 @@ def test_create_and_stream_with_cache_reported_by_upstream(front, front_dir, rep
     assert warm["ttft_ms"] > 0 and warm["replica"] == "r0" and warm["session_id"] == "sess-anthropic-1"
     upstream_seen = replica.records()[-1]
     assert upstream_seen["session_id"] == "sess-anthropic-1" and upstream_seen["user"] == "front"
-    health = httpx.get(front.url + "/health").json()
+    health = httpx.get(front.url + "/health", headers={"x-api-key": FRONT_TOKEN}).json()
     assert health["engine"] == "upstream" and health["hit_rate_source"] == "reported_by_upstream"
     assert health["cached_tokens_reported_by_upstream"] >= warm["cached_tokens"]
 
 
 def test_error_bodies_and_unknown_fields_pass_through_unmodified(front, replica):
-    body = {"model": "tiny", "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}
+    # A sampling value the replica refuses (the front does not judge it): its 400 comes back as is.
+    hi = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 1e-39, "messages": hi}
     direct = httpx.post(replica.url + "/v1/messages", json=body, headers={"x-api-key": UPSTREAM_TOKEN})
     via = httpx.post(front.url + "/v1/messages", json=body, headers={"x-api-key": FRONT_TOKEN})
     assert via.status_code == direct.status_code == 400
@@ -90,13 +92,38 @@ def test_error_bodies_and_unknown_fields_pass_through_unmodified(front, replica)
     assert via.headers.get("x-should-retry") == direct.headers.get("x-should-retry")
     wrong_model = httpx.post(
         front.url + "/v1/messages",
-        json=dict(body, model="nope", max_tokens=4),
+        json=dict(body, model="nope", temperature=0.0),
         headers={"x-api-key": FRONT_TOKEN},
     )
     assert wrong_model.status_code == 404 and "nope" in wrong_model.json()["error"]["message"]
-    odd = dict(body, max_tokens=4, some_future_field={"nested": [1, 2]}, context_management={"edits": []})
+    odd = dict(body, temperature=0.0, some_future_field={"nested": [1, 2]}, context_management={"edits": []})
     ok = httpx.post(front.url + "/v1/messages?beta=true", json=odd, headers={"x-api-key": FRONT_TOKEN})
     assert ok.status_code == 200 and ok.json()["type"] == "message"
+
+
+def test_max_tokens_over_the_fronts_limit_is_refused_before_forwarding(front, replica):
+    seen = len(replica.records())
+    body = {"model": "tiny", "max_tokens": 100000, "messages": [{"role": "user", "content": "hi"}]}
+    answer = httpx.post(front.url + "/v1/messages", json=body, headers={"x-api-key": FRONT_TOKEN})
+    assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
+    assert "max_tokens: 100000 > 256" in answer.json()["error"]["message"]  # the front's limit
+    assert len(replica.records()) == seen  # the replica never saw it
+
+
+def test_health_tells_strangers_only_the_status_and_never_shows_credentials(tmp_path):
+    srv = front_server(tmp_path, "anthropic", ["http://svc:s3cret-pass@127.0.0.1:9/v1?key=k3y"])
+    try:
+        stranger = httpx.get(srv.url + "/health")
+        assert stranger.status_code == 200 and set(stranger.json()) == {"status"}
+        body = {"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+        httpx.post(srv.url + "/v1/messages", json=body, headers={"x-api-key": FRONT_TOKEN})  # fails: 503
+        known = httpx.get(srv.url + "/health", headers={"x-api-key": FRONT_TOKEN})
+        assert known.json()["replicas"][0]["url"] == "http://127.0.0.1:9/v1"
+        metrics = httpx.get(srv.url + "/metrics", headers={"x-api-key": FRONT_TOKEN}).text
+        for text in (known.text, metrics):
+            assert "s3cret" not in text and "k3y" not in text
+    finally:
+        srv.stop()
 
 
 def test_count_tokens_forwarded_and_auth_is_the_fronts(front, replica):
@@ -167,7 +194,7 @@ def test_a_relayed_stream_counts_as_in_flight_until_it_ends(front, replica, monk
         "stream": True,
         "messages": [{"role": "user", "content": "hi"}],
     }
-    with httpx.Client(timeout=60) as http:
+    with httpx.Client(timeout=60, headers={"x-api-key": FRONT_TOKEN}) as http:
         assert http.get(front.url + "/health").json()["in_flight"] == 0
         with http.stream("POST", front.url + "/v1/messages", json=body, headers=headers) as resp:
             lines = resp.iter_lines()

@@ -108,7 +108,7 @@ def test_sessions_stay_on_their_replica(tmp_path):
         assert len({per_session[s].most_common(1)[0][0] for s in sessions}) == 2  # both replicas used
         warm = [r for r in front_records(tmp_path) if r["prompt_tokens"] and r["cached_tokens"]]
         assert len(warm) >= 12  # later turns read their earlier turns from their replica's cache
-        health = httpx.get(front.url + "/health").json()
+        health = httpx.get(front.url + "/health", headers={"x-api-key": FRONT_TOKEN}).json()
         assert health["session_moves"] == {} and all(r["in_flight"] == 0 for r in health["replicas"])
     finally:
         front.stop()
@@ -144,7 +144,7 @@ def test_killed_replica_loses_no_session_for_more_than_one_retry(tmp_path):
         moved = [s for s, rep in placed.items() if rep == victim]
         last = {r["session_id"]: r["replica"] for r in front_records(tmp_path) if r.get("status") == 200}
         assert moved and all(last[s] != victim for s in moved)
-        health = httpx.get(front.url + "/health").json()
+        health = httpx.get(front.url + "/health", headers={"x-api-key": FRONT_TOKEN}).json()
         assert [r["healthy"] for r in health["replicas"]].count(False) == 1
     finally:
         front.stop()

@@ -161,6 +161,19 @@ def check_model(gw: EdgeState, model: str) -> None:
         raise APIError(404, f"model: {clip(model)} (this server serves {gw.settings.served_model})")
 
 
+def check_max_tokens(gw: EdgeState, max_tokens: int) -> None:
+    """400 for a max_tokens under 1 or over the profile's max_output_tokens (Anthropic's wording):
+    what a reply may cost is bounded before it is asked for."""
+    limit = gw.settings.max_output_tokens
+    if max_tokens < 1:
+        raise invalid_request(f"max_tokens: must be at least 1, got {max_tokens}")
+    if max_tokens > limit:
+        raise invalid_request(
+            f"max_tokens: {max_tokens} > {limit}, which is the maximum allowed number of output "
+            f"tokens for {gw.settings.served_model}"
+        )
+
+
 Guard = Callable[[Request, Callable[[], Awaitable[Response]]], Awaitable[Response]]
 
 

@@ -21,7 +21,7 @@ from ikcode.engines.base import (
     SamplingParams,
 )
 from ikcode.gateway.compaction import is_summary_request
-from ikcode.gateway.edge import check_model, clip
+from ikcode.gateway.edge import check_max_tokens, check_model, clip
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
 from ikcode.gateway.render import RenderedPrompt
@@ -49,14 +49,7 @@ def check_sampling_value(name: str, value: float | None) -> None:
 def sampling_params(gw: Gateway, body: MessagesRequest) -> SamplingParams:
     check_sampling_value("temperature", body.temperature)
     check_sampling_value("top_p", body.top_p)
-    limit = gw.settings.max_output_tokens
-    if body.max_tokens < 1:
-        raise invalid_request(f"max_tokens: must be at least 1, got {body.max_tokens}")
-    if body.max_tokens > limit:
-        raise invalid_request(
-            f"max_tokens: {body.max_tokens} > {limit}, which is the maximum allowed number of output "
-            f"tokens for {gw.settings.served_model}"
-        )
+    check_max_tokens(gw, body.max_tokens)
     temperature = gw.settings.default_temperature if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
     if top_p == 0.0:  # nucleus of zero mass: only the most likely token

@@ -26,6 +26,8 @@ from ikcode.admission import AdmissionConfig
 from ikcode.admission.policy import AdmissionPolicy, Ticket
 from ikcode.engines.base import CacheLookup
 
+from .router import shown_url
+
 _PRIOR_TOKENS_PER_BYTE = 0.3  # JSON-wrapped code and English: ~3.3 bytes per token
 
 
@@ -136,4 +138,5 @@ class UpstreamAdmission:
         self._pump(url)
 
     def stats(self) -> dict[str, Any]:
-        return {url: policy.stats() for url, policy in self.policies.items()}
+        """Each replica's queue, by its URL as /health shows it (no credentials)."""
+        return {shown_url(url): policy.stats() for url, policy in self.policies.items()}

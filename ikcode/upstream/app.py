@@ -30,6 +30,7 @@ from ikcode.gateway.edge import (
     EdgeMiddleware,
     add_model_routes,
     authenticate,
+    check_max_tokens,
     check_model,
     error_response,
     read_model,
@@ -166,11 +167,15 @@ def create_upstream_app(
                     except ValueError:
                         parsed = None  # the upstream answers malformed JSON in its own words
                     if isinstance(parsed, dict):
+                        # The body goes on as it is, but what its reply may cost is the front's to bound.
+                        if type(parsed.get("max_tokens")) is int:
+                            check_max_tokens(up, parsed["max_tokens"])
                         await _admit(up, request, parsed, record)
                     answer = await anthropic_proxy.forward_messages(up, request, raw, record, arrived, parsed)
                 else:
                     body = await read_model(up, request, MessagesRequest)
                     check_model(up, body.model)
+                    check_max_tokens(up, body.max_tokens)
                     record.update(model=body.model, stream=bool(body.stream))
                     data = body.model_dump(exclude_none=True)
                     await _admit(up, request, data, record)
@@ -207,11 +212,17 @@ def create_upstream_app(
     add_model_routes(app, up, guarded)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         replicas = router.snapshot()
+        status = "ok" if any(r["healthy"] for r in replicas) else "no_healthy_replica"
+        # As the gateway's: anyone may ask whether it is up; only a token holder sees the rest.
+        try:
+            authenticate(up, request)
+        except APIError:
+            return JSONResponse({"status": status})
         return JSONResponse(
             {
-                "status": "ok" if any(r["healthy"] for r in replicas) else "no_healthy_replica",
+                "status": status,
                 "model": settings.served_model,
                 "engine": "upstream",
                 "upstream_kind": config.kind,

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import httpx
 
-from .router import NoReplica, Replica
+from .router import NoReplica, Replica, without_credentials
 from .state import Upstream
 
 logger = logging.getLogger("ikcode.upstream")
@@ -81,12 +81,16 @@ async def open_stream(
         except (httpx.ConnectError, httpx.ConnectTimeout) as err:
             up.router.release(replica)
             up.router.mark_down(replica, f"{type(err).__name__}: {err}")
-            logger.warning("replica %s (%s) is down: %s; retrying elsewhere", replica.name, replica.url, err)
+            logger.warning(
+                "replica %s (%s) is down: %s; retrying elsewhere",
+                replica.name, replica.shown_url, without_credentials(str(err)),
+            )  # fmt: skip
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
             # Closed before answering (a stale keep-alive connection or a dying server): retry
             # elsewhere now; the health check decides whether the replica is gone.
             up.router.release(replica)
-            logger.warning("replica %s closed the connection: %s; retrying elsewhere", replica.name, err)
+            reason = without_credentials(str(err))
+            logger.warning("replica %s closed the connection: %s; retrying elsewhere", replica.name, reason)
         except BaseException:
             up.router.release(replica)
             raise

@@ -15,6 +15,7 @@ import logging
 
 import httpx
 
+from .router import without_credentials
 from .state import Upstream
 
 logger = logging.getLogger("ikcode.upstream")
@@ -27,7 +28,10 @@ def health_url(up: Upstream, url: str) -> str:
 async def check_once(up: Upstream) -> None:
     def _down(replica, err: Exception) -> None:
         if replica.healthy:
-            logger.warning("replica %s (%s) failed its health check: %s", replica.name, replica.url, err)
+            logger.warning(
+                "replica %s (%s) failed its health check: %s",
+                replica.name, replica.shown_url, without_credentials(str(err)),
+            )  # fmt: skip
         up.router.mark_down(replica, f"health check: {type(err).__name__}")
 
     async def probe(replica) -> None:
@@ -45,7 +49,7 @@ async def check_once(up: Upstream) -> None:
             _down(replica, err)
             return
         if not replica.healthy:
-            logger.info("replica %s (%s) is back", replica.name, replica.url)
+            logger.info("replica %s (%s) is back", replica.name, replica.shown_url)
             up.router.mark_up(replica)
 
     await asyncio.gather(*(probe(r) for r in up.router.replicas))

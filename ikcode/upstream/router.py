@@ -11,9 +11,11 @@ is down; it then sticks to the new one.
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 # New sessions follow their prefix's replica until it holds this many more sessions than another.
 SESSION_SLACK = 2
@@ -33,6 +35,25 @@ class Replica:
     @property
     def name(self) -> str:
         return f"r{self.index}"
+
+    @property
+    def shown_url(self) -> str:
+        """The URL as health, metrics and logs show it: without the user, password or query a
+        replica's URL may carry (`http://user:secret@host/v1?key=...` -> `http://host/v1`)."""
+        return shown_url(self.url)
+
+
+def shown_url(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
+
+
+_CREDENTIALS = re.compile(r"(\w+://)[^/@\s'\"]+@")
+
+
+def without_credentials(text: str) -> str:
+    """text (an error message naming a URL) with every URL's user and password taken out."""
+    return _CREDENTIALS.sub(r"\1", text)
 
 
 class NoReplica(Exception):
@@ -125,7 +146,7 @@ class Router:
             if replica.healthy:
                 replica.failures += 1
             replica.healthy = False
-            replica.last_error = reason
+            replica.last_error = without_credentials(reason)
 
     def mark_up(self, replica: Replica) -> None:
         with self._lock:
@@ -137,7 +158,7 @@ class Router:
             return [
                 {
                     "replica": r.name,
-                    "url": r.url,
+                    "url": r.shown_url,
                     "healthy": r.healthy,
                     "in_flight": r.in_flight,
                     "served": r.served,

@@ -43,6 +43,9 @@ class Endpoint(_Section):
 class Auth(_Section):
     required: bool = True
     token_file: str = ""  # "" = the launcher's token in the state dir
+    # Requests one token may have running at once (more: 429 with retry-after). Unset: no limit
+    # on loopback, EXPOSED_REQUESTS_PER_USER when the server listens beyond it.
+    max_requests_per_user: int | None = Field(None, ge=1)
 
 
 class ModelSection(_Section):

@@ -23,6 +23,9 @@ log = logging.getLogger("ikcode.stack")
 
 MB = 1024 * 1024
 DEFAULT_DRAIN_S = 30.0  # when `ikcode down` did not say (a plain SIGTERM or Ctrl-C)
+# Requests one token may run at once on a server others reach, unless [auth] says: a Claude Code
+# session with a few subagents in parallel stays under it; one client cannot fill the queue.
+EXPOSED_REQUESTS_PER_USER = 16
 
 
 @dataclass
@@ -139,7 +142,11 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
     tokens: dict[str, str] = {}
     if profile.auth.required or not auth.is_loopback(host):
         tokens = {"launcher": auth.load_or_create_token(), **auth.team_tokens()}
+    per_user = profile.auth.max_requests_per_user
+    if per_user is None and not auth.is_loopback(host):
+        per_user = EXPOSED_REQUESTS_PER_USER
     return GatewaySettings(
+        max_requests_per_user=per_user,
         cache_salt_per_user=cache_salting(profile),
         served_model=profile.served_model,
         context_window=context_window,

@@ -95,6 +95,8 @@ class Generation:
         self._cut = False  # ended by the server's drain deadline, not by the engine or client
         gw.generations[request_id] = self
         gw.in_flight += 1
+        self.user = record.get("user") or ""
+        gw.in_flight_by_user[self.user] += 1
         gw.metrics.in_flight.inc()
 
     # -- engine side --------------------------------------------------------------------------
@@ -217,6 +219,9 @@ class Generation:
         if not self.finished:  # the client went away: free the engine's sequence now
             gw.engine.abort(self.request_id)
         gw.in_flight -= 1
+        gw.in_flight_by_user[self.user] -= 1
+        if not gw.in_flight_by_user[self.user]:
+            del gw.in_flight_by_user[self.user]
         gw.metrics.in_flight.dec()
         if self.completed:
             try:

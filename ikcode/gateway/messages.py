@@ -46,6 +46,18 @@ def check_sampling_value(name: str, value: float | None) -> None:
         raise invalid_request(f"{name}: must be 0 or at least {MIN_SAMPLING_VALUE:g}, got {value!r}")
 
 
+def check_concurrency(gw: Gateway, user: str | None) -> None:
+    """429 with a retry-after when the server, or this token, has as many requests running as
+    it may."""
+    limit = gw.settings.max_concurrent_requests
+    if limit is not None and gw.in_flight >= limit:
+        raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
+    per_user = gw.settings.max_requests_per_user
+    if per_user is not None and gw.in_flight_by_user[user or ""] >= per_user:
+        message = f"too many concurrent requests for this token (limit {per_user})"
+        raise APIError(429, message, retry_after_s=1)
+
+
 def sampling_params(gw: Gateway, body: MessagesRequest) -> SamplingParams:
     check_sampling_value("temperature", body.temperature)
     check_sampling_value("top_p", body.top_p)
@@ -155,16 +167,13 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         check_model(gw, body.model)
         sampling = sampling_params(gw, body)
         check_unsupported(body)
-        limit = gw.settings.max_concurrent_requests
-        if limit is not None and gw.in_flight >= limit:
-            raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
+        check_concurrency(gw, user)
         check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
         salt = (user or "") if gw.settings.salts_per_user else ""
         rendered, lookup, block_hashes = await run_in_threadpool(
             _render_and_lookup, gw, body, salt, session_id, record
         )
-        if limit is not None and gw.in_flight >= limit:  # others may have started while we rendered
-            raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
+        check_concurrency(gw, user)  # others may have started while this one rendered
         prompt_tokens = len(rendered.token_ids)
         if prompt_tokens >= gw.context_window:
             raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))

@@ -22,6 +22,9 @@ class GatewaySettings:
     log_prompts: bool = False  # put prompt/answer token ids and text in the request log
     max_body_bytes: int = 32 * 1024 * 1024
     max_concurrent_requests: int | None = None  # beyond it: 429 with retry-after
+    # Requests one token may have running at once (beyond it: 429 with retry-after), so one user
+    # cannot take a shared server's queue for himself. None: no such limit.
+    max_requests_per_user: int | None = None
     default_temperature: float = 1.0  # the Messages API default
     # Server-side repetition penalties (the Messages API has no field for them); off by default.
     repeat_penalty: float = 1.0

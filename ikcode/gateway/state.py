@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,7 @@ class Gateway:
     log: RequestLog
     context_window: int
     in_flight: int = 0
+    in_flight_by_user: Counter[str] = field(default_factory=Counter)  # token name -> running
     draining: bool = False  # shutting down: new requests are refused, running ones finish or are cut
     generations: dict[str, Any] = field(default_factory=dict)  # request id -> running Generation
     body_limit_bytes: int = 0  # 0: settings.max_body_bytes (see request_limits)

@@ -303,3 +303,28 @@ def test_an_exposed_server_limits_each_token_unless_the_profile_says(tmp_path):
     own = tmp_path / "own.toml"
     own.write_text(text.replace("[auth]\n", "[auth]\nmax_requests_per_user = 3\n"))
     assert gateway_settings(load_profile(str(own)), "0.0.0.0", 8192).max_requests_per_user == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_client_leaving_while_sending_its_body_is_a_499_not_a_500(served, path):
+    server, engine, gw, log_path = served
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(
+                f"POST {path} HTTP/1.1\r\nhost: x\r\nx-api-key: {TOKEN}\r\n"
+                "content-type: application/json\r\ncontent-length: 1000\r\n\r\n".encode()
+                + b'{"model": "tiny", "messages": ['
+            )
+            time.sleep(0.2)  # the server is waiting for the rest of the body
+    deadline = time.monotonic() + 5
+    metrics = ""
+    while time.monotonic() < deadline:
+        metrics = httpx.get(server.url + "/metrics", headers=HEADERS).text
+        if f'route="{path}",status="499"' in metrics:
+            break
+        time.sleep(0.05)
+    assert f'route="{path}",status="499"' in metrics
+    assert 'status="500"' not in metrics
+    assert post(server, message()).status_code == 200  # still serving
+    wait_idle(engine)

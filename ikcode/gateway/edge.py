@@ -13,12 +13,14 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ikcode.auth import tokens_equal
 from ikcode.gateway.errors import APIError, invalid_request
 from ikcode.gateway.settings import GatewaySettings
 
+CLIENT_CLOSED = 499  # the status logged for a request whose client left before its answer
 KNOWN_ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/")
 
 
@@ -82,15 +84,24 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
+async def read_body(request: Request, limit: int, too_large: Callable[[], APIError]) -> bytes:
+    """The body, size-checked while it streams in. A client that hangs up before sending all of it
+    is a 499 (nobody reads it; logged and counted as the client's doing, not as a server error)."""
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large()
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(CLIENT_CLOSED, "the client disconnected while sending its request") from None
+    return b"".join(chunks)
+
+
 async def read_model(gw: EdgeState, request: Request, model: type[BaseModel]) -> Any:
     """The body, size-checked while it streams in, parsed strictly, validated into `model`."""
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > body_limit(gw):
-            raise too_large(gw)
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    raw = await read_body(request, body_limit(gw), lambda: too_large(gw))
     try:
         # pydantic parses the bytes itself (far faster than json.loads on multi-megabyte bodies).
         return model.model_validate_json(raw)

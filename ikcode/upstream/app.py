@@ -33,6 +33,7 @@ from ikcode.gateway.edge import (
     check_max_tokens,
     check_model,
     error_response,
+    read_body,
     read_model,
 )
 from ikcode.gateway.errors import APIError, error_body
@@ -56,13 +57,9 @@ RETRY_AFTER_NO_REPLICA_S = 2
 
 
 async def _read_raw(up: Upstream, request: Request) -> bytes:
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > up.settings.max_body_bytes:
-            raise APIError(413, f"request body is larger than {up.settings.max_body_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    limit = up.settings.max_body_bytes
+    too_large = lambda: APIError(413, f"request body is larger than {limit} bytes")  # noqa: E731
+    return await read_body(request, limit, too_large)
 
 
 async def _admit(up: Upstream, request: Request, body: dict[str, Any], record: dict[str, Any]) -> None:

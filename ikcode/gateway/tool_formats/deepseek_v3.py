@@ -57,9 +57,13 @@ class DeepSeekCallBody:
                 return []
             kind, rest = self._buf.split(SEP, 1)
             if kind.strip() == "function":  # V3: the name is the rest of the line, then ```json
-                if "\n" not in rest or "{" not in rest:
+                if "{" not in rest:
                     return []
-                name, rest = rest.split("\n", 1)
+                # The name ends at the line's end, or at the object when the model starts it on
+                # the same line (`Read {...`).
+                newline = rest.find("\n")
+                end = rest.index("{") if newline < 0 else min(newline, rest.index("{"))
+                name, rest = rest[:end], rest[end:]
             else:
                 if "{" not in rest:
                     return []

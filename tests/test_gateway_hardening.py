@@ -328,3 +328,28 @@ def test_a_client_leaving_while_sending_its_body_is_a_499_not_a_500(served, path
     assert 'status="500"' not in metrics
     assert post(server, message()).status_code == 200  # still serving
     wait_idle(engine)
+
+
+@pytest.mark.parametrize(
+    "tools,choice,expected",
+    [
+        ([], {"type": "any"}, "needs at least one tool"),
+        ([], {"type": "tool", "name": "Read"}, "needs at least one tool"),
+        (["Read"], {"type": "tool", "name": "Nope"}, "Nope is not one of the request's tools"),
+        (["Read"], {"type": "tool", "name": "Read"}, None),
+        (["Read"], {"type": "any"}, None),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_tool_choice_no_answer_could_meet_is_a_400(served, tools, choice, expected, path):
+    server, engine, _, _ = served
+    listed = [{"name": name, "description": "read", "input_schema": {"type": "object"}} for name in tools]
+    body = message(tool_choice=choice, **({"tools": listed} if listed else {}))
+    if path.endswith("count_tokens"):
+        del body["max_tokens"]
+    answer = post(server, body, path)
+    if expected is None:
+        assert answer.status_code == 200, answer.text[:300]
+    else:
+        assert expected in assert_error(answer, 400)
+    wait_idle(engine)

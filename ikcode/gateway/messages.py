@@ -86,11 +86,25 @@ def check_unsupported(body: MessagesRequest) -> None:
             "output_config.format: structured output (JSON schema constrained decoding) is not "
             "supported by this server's engine; ask for JSON in the prompt instead"
         )
-    if body.tool_choice is not None and body.tool_choice.type == "tool" and not body.tool_choice.name:
-        raise invalid_request("tool_choice.name: required when tool_choice.type is 'tool'")
+    check_tool_choice(body)
     for index, stop in enumerate(body.stop_sequences or []):
         if not stop.strip():
             raise invalid_request(f"stop_sequences.{index}: each stop sequence must contain non-whitespace")
+
+
+def check_tool_choice(body: MessagesRequest | CountTokensRequest) -> None:
+    """400 for a tool_choice no answer could meet: a call to a tool the request does not list,
+    or any call with no tools at all."""
+    choice = body.tool_choice
+    if choice is None or choice.type not in ("any", "tool"):
+        return
+    names = {tool.name for tool in body.tools or ()}
+    if choice.type == "tool" and not choice.name:
+        raise invalid_request("tool_choice.name: required when tool_choice.type is 'tool'")
+    if not names:
+        raise invalid_request(f"tool_choice.type: '{choice.type}' needs at least one tool in `tools`")
+    if choice.type == "tool" and choice.name not in names:
+        raise invalid_request(f"tool_choice.name: {clip(choice.name)} is not one of the request's tools")
 
 
 def check_draining(gw: Gateway) -> None:
@@ -223,6 +237,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
 
 async def count_tokens(gw: Gateway, body: CountTokensRequest) -> Response:
     check_model(gw, body.model)
+    check_tool_choice(body)
     # A prompt that cannot fit the window is refused before it is tokenized, as in create_message.
     check_prompt_chars(body, gw.context_window, gw.max_token_chars)
     rendered = await run_in_threadpool(_render, gw, body)

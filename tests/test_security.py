@@ -17,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ikcode.gateway import GatewaySettings, create_app
+from ikcode.gateway.render import Renderer
+from ikcode.gateway.schemas import MessagesRequest
 from ikcode.gateway.server import BackgroundServer
 from tests.test_gateway_support import tiny_tokenizer, wait_idle
 from tests.tiny_model import tiny_engine
@@ -208,3 +210,29 @@ def test_a_previous_render_serves_only_its_own_user(server):
     assert send("alice", second)["render_reused_tokens"] > 0
     assert send("bob", second)["render_reused_tokens"] == 0
     assert send("bob", second)["render_reused_tokens"] > 0  # his own repeat does reuse
+
+
+def test_a_remembered_reply_serves_only_its_own_user(server):
+    """An assistant turn the server generated is rendered with the ids it generated (not its
+    text's), but only for the user it was generated for: for Bob, Alice's exchange renders from
+    its text, so his prompt's length (count_tokens) cannot tell that she had it."""
+    question = [{"role": "user", "content": "alice's private question: which key rotates first?"}]
+    reply = client(server, "alice").messages.create(model=MODEL, max_tokens=8, messages=question)
+    wait_idle(server[1])
+    content = [block.model_dump(exclude_none=True) for block in reply.content]
+    conversation = question + [{"role": "assistant", "content": content}, {"role": "user", "content": "next"}]
+
+    def prompt_ids(user: str) -> list[int]:
+        answer = client(server, user).messages.create(model=MODEL, max_tokens=1, messages=conversation)
+        wait_idle(server[1])
+        lines = server[2].read_text().splitlines()
+        return next(r for r in map(json.loads, reversed(lines)) if r["request_id"] == answer.id)[
+            "prompt_token_ids"
+        ]
+
+    request = MessagesRequest.model_validate({"model": MODEL, "max_tokens": 1, "messages": conversation})
+    from_text = Renderer(tiny_tokenizer()).render(None, None, None, request.messages).token_ids
+    assert prompt_ids("alice") != from_text  # her own generated ids: the property is not vacuous
+    assert prompt_ids("bob") == from_text
+    counted = client(server, "bob").messages.count_tokens(model=MODEL, messages=conversation)
+    assert counted.input_tokens == len(from_text)

@@ -116,9 +116,9 @@ def create_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         async def handler() -> Response:
-            authenticate(gw, request)
+            user = authenticate(gw, request)
             body = await read_model(gw, request, CountTokensRequest)
-            return await messages.count_tokens(gw, body)
+            return await messages.count_tokens(gw, body, user)
 
         return await guarded(request, handler)
 

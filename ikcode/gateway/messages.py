@@ -113,9 +113,17 @@ def check_draining(gw: Gateway) -> None:
 
 
 def _render(
-    gw: Gateway, body: MessagesRequest | CountTokensRequest, conversation: tuple[str, str] | None = None
+    gw: Gateway,
+    body: MessagesRequest | CountTokensRequest,
+    salt: str,
+    conversation: tuple[str, str] | None = None,
 ) -> RenderedPrompt:
-    return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages, conversation)
+    return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages, conversation, salt)
+
+
+def user_salt(gw: Gateway, user: str | None) -> str:
+    """The user's cache namespace ("" when the server shares one cache among its users)."""
+    return (user or "") if gw.settings.salts_per_user else ""
 
 
 def _log_shared_prefix(
@@ -151,7 +159,7 @@ def _render_and_lookup(
     admission layer and the engine, so nothing hashes the prompt again."""
     # The conversation's previous render is reused per user (salt) and session: requests without
     # a session id share one such key per user.
-    rendered = _render(gw, body, (salt, session_id or ""))
+    rendered = _render(gw, body, salt, (salt, session_id or ""))
     if record is not None:
         record["render_reused_tokens"] = rendered.reused_tokens
         _log_shared_prefix(gw, body, session_id, rendered, record)
@@ -183,7 +191,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         check_unsupported(body)
         check_concurrency(gw, user)
         check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
-        salt = (user or "") if gw.settings.salts_per_user else ""
+        salt = user_salt(gw, user)
         rendered, lookup, block_hashes = await run_in_threadpool(
             _render_and_lookup, gw, body, salt, session_id, record
         )
@@ -235,10 +243,10 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
     return await generation.collect(request)
 
 
-async def count_tokens(gw: Gateway, body: CountTokensRequest) -> Response:
+async def count_tokens(gw: Gateway, body: CountTokensRequest, user: str | None) -> Response:
     check_model(gw, body.model)
     check_tool_choice(body)
     # A prompt that cannot fit the window is refused before it is tokenized, as in create_message.
     check_prompt_chars(body, gw.context_window, gw.max_token_chars)
-    rendered = await run_in_threadpool(_render, gw, body)
+    rendered = await run_in_threadpool(_render, gw, body, user_salt(gw, user))
     return JSONResponse({"input_tokens": len(rendered.token_ids)})

@@ -58,6 +58,11 @@ def _chain(parent: bytes, key: bytes) -> bytes:
     return blake2b(parent + key, digest_size=16).digest()
 
 
+def _reply_key(salt: str, chain: bytes) -> bytes:
+    """Where the reply to a prompt ending at `chain` is remembered: per user when salted."""
+    return _chain(salt.encode(), chain) if salt else chain
+
+
 def _get(block: Any, name: str) -> Any:
     return block.get(name) if isinstance(block, dict) else getattr(block, name, None)
 
@@ -208,10 +213,14 @@ class Renderer:
         tool_choice: Any,
         messages: list[Any],
         conversation: Hashable | None = None,
+        salt: str = "",
     ) -> RenderedPrompt:
         """The prompt's token ids. `conversation` (a key under which the caller's earlier requests
         of this conversation were rendered, salted per user) lets the leading turns that equal the
-        previous request's take its tokens instead of being digested again; None: no such reuse."""
+        previous request's take its tokens instead of being digested again; None: no such reuse.
+        `salt` (the user's cache salt) scopes the remembered replies: an assistant turn takes the
+        ids its own user's request generated, never another user's (whose tokens, unlike a text's,
+        say that the other user had this exchange)."""
         if not messages:
             raise invalid_request("messages: at least one message is required")
         deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
@@ -235,7 +244,7 @@ class Renderer:
                 for kept, new in zip(reads, turn_reads(index, role, content, names, deferred), strict=True):
                     kept.extend(new)
             prefill = role == "assistant" and index == len(turns) - 1
-            self._render_turn(prompt, role, content, names, deferred, prefill)
+            self._render_turn(prompt, role, content, names, deferred, prefill, salt)
         if not prefill:
             prompt.ids.extend(self._gen_ids)
         if conversation is not None:
@@ -246,7 +255,7 @@ class Renderer:
             self.store.put_render(conversation, render, replacing=previous)
         return RenderedPrompt(
             prompt.ids,
-            None if prefill else prompt.chain,
+            None if prefill else _reply_key(salt, prompt.chain),
             prompt.fresh,
             num_head_boundaries + len(turns),
             prompt.boundaries,
@@ -287,11 +296,12 @@ class Renderer:
         names: dict[str, str],
         deferred: dict[str, Any],
         prefill: bool,
+        salt: str = "",
     ) -> None:
         """Append one turn; a prefill (a final assistant turn) stays open and gets no boundary."""
         if role == "assistant":
             key = b"a" + assistant_content_key(content)
-            reply = None if prefill else self.store.reply(prompt.chain, key[1:])
+            reply = None if prefill else self.store.reply(_reply_key(salt, prompt.chain), key[1:])
             if reply is not None:
                 seg, n = reply, 0
             else:

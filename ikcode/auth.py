@@ -80,11 +80,12 @@ def _save_team_tokens(tokens: dict[str, str]) -> None:
 
 
 MAX_TOKEN_NAME_CHARS = 64
+OWNER = "launcher"  # the name of the server's own token: the one that sees every user's figures
 
 
 def check_token_name(name: str) -> None:
     """A token's name is its user's name in logs, metrics and cache salts: short and printable."""
-    if not name.strip() or name == "launcher":
+    if not name.strip() or name == OWNER:
         raise ValueError("a token name must be non-empty and not 'launcher'")
     if len(name) > MAX_TOKEN_NAME_CHARS or not name.isprintable() or name != name.strip():
         raise ValueError(

@@ -141,7 +141,7 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
 
     tokens: dict[str, str] = {}
     if profile.auth.required or not auth.is_loopback(host):
-        tokens = {"launcher": auth.load_or_create_token(), **auth.team_tokens()}
+        tokens = {auth.OWNER: auth.load_or_create_token(), **auth.team_tokens()}
     per_user = profile.auth.max_requests_per_user
     if per_user is None and not auth.is_loopback(host):
         per_user = EXPOSED_REQUESTS_PER_USER

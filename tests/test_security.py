@@ -98,9 +98,10 @@ def test_two_users_never_share_cache_entries(server):
 
     health = client(server, "alice").get("/health", cast_to=object)
     assert health["cache_salt_per_user"] is True
-    users = health["users"]
-    assert users["alice"]["cached_tokens"] == mine.usage.cache_read_input_tokens
-    assert users["bob"]["prompt_tokens"] > 0
+    # Each user sees his own figures, not who else uses the server or how much.
+    assert list(health["users"]) == ["alice"]
+    assert health["users"]["alice"]["cached_tokens"] == mine.usage.cache_read_input_tokens
+    assert list(client(server, "bob").get("/health", cast_to=object)["users"]) == ["bob"]
 
 
 NONCE = itertools.count()
@@ -236,3 +237,23 @@ def test_a_remembered_reply_serves_only_its_own_user(server):
     assert prompt_ids("bob") == from_text
     counted = client(server, "bob").messages.count_tokens(model=MODEL, messages=conversation)
     assert counted.input_tokens == len(from_text)
+
+
+def test_the_servers_own_token_sees_every_users_figures():
+    from ikcode.auth import OWNER
+
+    engine = tiny_engine(kv_memory_bytes=4 * 1024 * 1024)
+    engine.start()
+    tokens = {OWNER: "ik-owner-0123456789", "alice": TOKENS["alice"]}
+    app = create_app(engine, tiny_tokenizer(), GatewaySettings(served_model=MODEL, auth_tokens=tokens))
+    background = BackgroundServer(app).start()
+    try:
+        own = (background, engine, None)
+        hi = [{"role": "user", "content": "hi"}]
+        client(own, "alice").messages.create(model=MODEL, max_tokens=1, messages=hi)
+        wait_idle(engine)
+        owner = anthropic.Anthropic(base_url=background.url, api_key=tokens[OWNER], max_retries=0)
+        assert "alice" in owner.get("/health", cast_to=object)["users"]
+    finally:
+        background.stop()
+        engine.shutdown(drain_timeout_s=1)

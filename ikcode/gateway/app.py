@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ikcode.auth import OWNER
 from ikcode.engines.base import Engine
 from ikcode.gateway import messages
 from ikcode.gateway.chat_format import TokenizerLike
@@ -126,11 +127,15 @@ def create_app(
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        # Anyone may ask whether the server is up; only a token holder sees its load and usage.
+        # Anyone may ask whether the server is up; only a token holder sees its load and usage,
+        # and only the server's own token (or anyone, without auth) every user's usage.
         try:
-            authenticate(gw, request)
+            user = authenticate(gw, request)
         except APIError:
             return JSONResponse({"status": "ok"})
+        users = metrics.by_user()
+        if user is not None and user != OWNER:
+            users = {name: figures for name, figures in users.items() if name == user}
         info = engine.info
         return JSONResponse(
             {
@@ -143,7 +148,7 @@ def create_app(
                 "in_flight": gw.in_flight,
                 "cache_salt_per_user": settings.salts_per_user,
                 **metrics.totals(),
-                "users": metrics.by_user(),
+                "users": users,
             }
         )
 

@@ -11,6 +11,7 @@ import anthropic
 import httpx
 import pytest
 
+from ikcode.gateway.server import BackgroundServer
 from tests.test_gateway_support import hang_up_before_the_first_chunk
 from tests.test_upstream_support import (
     FRONT_TOKEN,
@@ -209,3 +210,36 @@ def test_a_relayed_stream_counts_as_in_flight_until_it_ends(front, replica, monk
         while http.get(front.url + "/health").json()["in_flight"] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert http.get(front.url + "/health").json()["in_flight"] == 0
+
+
+def test_a_token_past_its_running_requests_gets_a_429_at_the_front(replica, tmp_path, monkeypatch):
+    gate = threading.Event()
+    append_token = replica.engine._append_token
+
+    def held_append_token(seq, token):  # the replica's answer stays open until the gate opens
+        assert gate.wait(30)
+        append_token(seq, token)
+
+    monkeypatch.setattr(replica.engine, "_append_token", held_append_token)
+    app = front_app(tmp_path, "anthropic", [replica.url])
+    up = app.state.upstream
+    up.settings.max_requests_per_user = 1
+    srv = BackgroundServer(app).start()
+    body = {"model": "tiny", "max_tokens": 4, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    headers = {"x-api-key": FRONT_TOKEN}
+    try:
+        with httpx.Client(timeout=60, headers=headers) as http:
+            with http.stream("POST", srv.url + "/v1/messages", json=body) as first:
+                assert first.status_code == 200 and up.in_flight_by_user["alice"] == 1
+                second = http.post(srv.url + "/v1/messages", json=body)
+                assert second.status_code == 429 and second.headers["retry-after"] == "1"
+                assert "limit 1" in second.json()["error"]["message"]
+                gate.set()
+                assert "event: message_stop" in first.read().decode()
+        deadline = time.monotonic() + 5
+        while up.in_flight and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert up.in_flight == 0 and not up.in_flight_by_user  # the refused one took nothing
+    finally:
+        gate.set()
+        srv.stop()

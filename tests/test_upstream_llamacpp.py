@@ -206,7 +206,7 @@ def test_a_stream_the_server_cuts_short_is_a_retryable_error(sdk):
     prompt = [{"role": "user", "content": "Write a long story about a dragon."}]
     other: list[threading.Thread] = []
     with pytest.raises(anthropic.APIStatusError) as info:
-        for event in sdk.messages.create(model="smollm2", max_tokens=400, messages=prompt, stream=True):
+        for event in sdk.messages.create(model="smollm2", max_tokens=256, messages=prompt, stream=True):
             if event.type == "content_block_delta" and not other:
                 second = dict(model="smollm2", max_tokens=1, messages=prompt)
                 other.append(threading.Thread(target=sdk.messages.create, kwargs=second))

@@ -7,7 +7,7 @@ and `context_window`: the gateway's `Gateway` and the upstream's `Upstream` both
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -170,6 +170,20 @@ def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
 def check_model(gw: EdgeState, model: str) -> None:
     if not gw.settings.accepts(model):
         raise APIError(404, f"model: {clip(model)} (this server serves {gw.settings.served_model})")
+
+
+def check_concurrency(
+    settings: GatewaySettings, in_flight: int, in_flight_by_user: Mapping[str, int], user: str | None
+) -> None:
+    """429 with a retry-after when the server, or this token, has as many requests running as
+    it may (max_concurrent_requests, max_requests_per_user)."""
+    limit = settings.max_concurrent_requests
+    if limit is not None and in_flight >= limit:
+        raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
+    per_user = settings.max_requests_per_user
+    if per_user is not None and in_flight_by_user.get(user or "", 0) >= per_user:
+        message = f"too many concurrent requests for this token (limit {per_user})"
+        raise APIError(429, message, retry_after_s=1)
 
 
 def check_max_tokens(gw: EdgeState, max_tokens: int) -> None:

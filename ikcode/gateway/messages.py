@@ -21,7 +21,7 @@ from ikcode.engines.base import (
     SamplingParams,
 )
 from ikcode.gateway.compaction import is_summary_request
-from ikcode.gateway.edge import check_max_tokens, check_model, clip
+from ikcode.gateway.edge import check_concurrency, check_max_tokens, check_model, clip
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation
 from ikcode.gateway.render import RenderedPrompt
@@ -44,18 +44,6 @@ MIN_SAMPLING_VALUE = 1e-5
 def check_sampling_value(name: str, value: float | None) -> None:
     if value is not None and 0.0 < value < MIN_SAMPLING_VALUE:
         raise invalid_request(f"{name}: must be 0 or at least {MIN_SAMPLING_VALUE:g}, got {value!r}")
-
-
-def check_concurrency(gw: Gateway, user: str | None) -> None:
-    """429 with a retry-after when the server, or this token, has as many requests running as
-    it may."""
-    limit = gw.settings.max_concurrent_requests
-    if limit is not None and gw.in_flight >= limit:
-        raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
-    per_user = gw.settings.max_requests_per_user
-    if per_user is not None and gw.in_flight_by_user[user or ""] >= per_user:
-        message = f"too many concurrent requests for this token (limit {per_user})"
-        raise APIError(429, message, retry_after_s=1)
 
 
 def sampling_params(gw: Gateway, body: MessagesRequest) -> SamplingParams:
@@ -189,13 +177,14 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         check_model(gw, body.model)
         sampling = sampling_params(gw, body)
         check_unsupported(body)
-        check_concurrency(gw, user)
+        check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
         check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
         salt = user_salt(gw, user)
         rendered, lookup, block_hashes = await run_in_threadpool(
             _render_and_lookup, gw, body, salt, session_id, record
         )
-        check_concurrency(gw, user)  # others may have started while this one rendered
+        # Others may have started while this one rendered.
+        check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
         prompt_tokens = len(rendered.token_ids)
         if prompt_tokens >= gw.context_window:
             raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))

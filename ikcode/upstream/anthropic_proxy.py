@@ -112,7 +112,7 @@ async def forward_messages(
             tap.error = data[:500].decode("utf-8", "replace")
         _finish(up, record, tap, arrived)
         return Response(data, status_code=response.status_code, headers=response_headers(response))
-    end = StreamEnd(up, replica, response)
+    end = StreamEnd(up, replica, response, record.get("user"))
 
     def hung_up() -> None:
         tap.error = tap.error or "client disconnected"

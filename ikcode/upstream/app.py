@@ -153,8 +153,7 @@ def create_upstream_app(
 
         async def handler() -> Response:
             record["user"] = authenticate(up, request)
-            up.in_flight += 1
-            up.metrics.in_flight.inc()
+            up.stream_started(record["user"])
             answer: Response | None = None
             try:
                 if config.kind == "anthropic":
@@ -184,7 +183,7 @@ def create_upstream_app(
             finally:
                 # A relayed stream stays in flight until its StreamEnd runs (forward.py).
                 if not isinstance(answer, ClosingStreamingResponse):
-                    up.stream_ended()
+                    up.stream_ended(record["user"])
 
         response = await guarded(request, handler)
         if "status" not in record:  # refused before reaching a replica

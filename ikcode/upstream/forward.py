@@ -135,10 +135,11 @@ class StreamEnd:
     """The end of one relayed stream, run once: by the relay's `finally`, or by the response when
     the client left before the relay started (a generator that never started runs no `finally`)."""
 
-    def __init__(self, up: Upstream, replica: Replica, response: httpx.Response):
+    def __init__(self, up: Upstream, replica: Replica, response: httpx.Response, user: str | None):
         self.up = up
         self.replica = replica
         self.response = response
+        self.user = user
         self.done = False
 
     async def __call__(self, finish: Callable[[], None]) -> None:
@@ -148,7 +149,7 @@ class StreamEnd:
         # Book-keeping first: under cancellation (a client that hung up) the await below would
         # raise again and skip anything after it.
         self.up.router.release(self.replica)
-        self.up.stream_ended()
+        self.up.stream_ended(self.user)
         finish()
         with anyio.CancelScope(shield=True):
             await aclose_quietly(self.response)

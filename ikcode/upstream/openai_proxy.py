@@ -80,7 +80,7 @@ async def forward_messages(
         _finish(up, record, usage, time.monotonic(), message["stop_reason"], arrived, None)
         return JSONResponse(message)
     translator = StreamTranslator(message_id, body.model, stops)
-    end = StreamEnd(up, replica, response)
+    end = StreamEnd(up, replica, response, record.get("user"))
 
     def hung_up() -> None:
         record["usage_source"] = translator.usage_source

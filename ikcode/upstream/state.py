@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import httpx
 
+from ikcode.gateway.edge import check_concurrency
 from ikcode.gateway.request_log import RequestLog
 from ikcode.gateway.settings import GatewaySettings
 
@@ -25,6 +27,7 @@ class Upstream:
     context_window: int
     client: httpx.AsyncClient | None = None  # opened in the app's lifespan (one per event loop)
     in_flight: int = 0
+    in_flight_by_user: Counter[str] = field(default_factory=Counter)  # token name -> in flight
     admission: UpstreamAdmission | None = None  # None: requests go straight to their replica
 
     def settle(self, record: dict) -> None:
@@ -37,9 +40,20 @@ class Upstream:
                 record.get("cached_tokens"),
             )
 
-    def stream_ended(self) -> None:
+    def stream_started(self, user: str | None) -> None:
+        """One request is in flight from now until stream_ended; 429 first when the server, or
+        this token, has as many as it may (the gateway's limits, the same settings)."""
+        check_concurrency(self.settings, self.in_flight, self.in_flight_by_user, user)
+        self.in_flight += 1
+        self.in_flight_by_user[user or ""] += 1
+        self.metrics.in_flight.inc()
+
+    def stream_ended(self, user: str | None) -> None:
         """One request stopped being in flight (its answer was sent, or its stream ended)."""
         self.in_flight = max(0, self.in_flight - 1)
+        self.in_flight_by_user[user or ""] -= 1
+        if self.in_flight_by_user[user or ""] <= 0:
+            del self.in_flight_by_user[user or ""]
         self.metrics.in_flight.dec()
 
     def first_token(self, record: dict) -> None:

@@ -86,7 +86,11 @@ if ! command -v claude >/dev/null 2>&1; then
       read -r -p "Install it now? [y/N] " answer || answer="n"
     fi
     if [ "$answer" = "y" ] || [ "$answer" = "Y" ]; then
-      npm install -g @anthropic-ai/claude-code
+      # The newest release by its exact version: asked for without one, npm falls back to an
+      # older release when the newest declares a newer Node than this one (on Node 20 it picks
+      # 2.1.197, which never compacts a `-p` conversation); the native binary runs either way.
+      newest=$(npm view @anthropic-ai/claude-code version 2>/dev/null || true)
+      npm install -g "@anthropic-ai/claude-code${newest:+@$newest}"
     fi
   else
     echo "(npm is not installed: get Node.js >= 18 first)"

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import time
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -155,6 +157,11 @@ def test_claude_version(claude_bin, tmp_path, project):
     env["IKCODE_CLAUDE_BIN"] = str(old)
     outdated = doctor("http://127.0.0.1:1", "tok", project, only=["claude"], environ=env)["claude"]
     assert outdated.status == WARN and "before 2.1.181" in outdated.detail
+    # What npm installs on Node 20 when asked without a version: it works, but is not the newest.
+    old.write_text("#!/bin/sh\necho '2.1.197 (Claude Code)'\n")
+    behind = doctor("http://127.0.0.1:1", "tok", project, only=["claude"], environ=env)["claude"]
+    assert behind.status == WARN and "older than 2.1.332" in behind.detail
+    assert "@anthropic-ai/claude-code@$(npm view" in behind.fix
     missing = doctor("http://127.0.0.1:1", "tok", project, only=["claude"], environ={"PATH": str(project)})
     assert missing["claude"].status == WARN and "not on PATH" in missing["claude"].detail
 
@@ -265,3 +272,11 @@ def test_full_mode_asks_several_documents(tokenizer, tmp_path, project):
     sizes = [d["prompt_tokens"] for d in gate.data["documents"]]
     assert len(sizes) == 3 and sizes == sorted(sizes) and sizes[-1] > 1500
     assert all(d["match"] and d["warm_hit_rate"] >= 0.95 for d in gate.data["documents"])
+
+
+def test_the_tested_claude_version_is_the_one_ci_pins():
+    from ikcode.launcher.claude import TESTED_CLAUDE_VERSION
+
+    test_sh = (Path(__file__).resolve().parent.parent / "scripts" / "test.sh").read_text()
+    pinned = re.search(r"IKCODE_CLAUDE_VERSION:-([0-9.]+)", test_sh).group(1)
+    assert pinned == ".".join(map(str, TESTED_CLAUDE_VERSION))

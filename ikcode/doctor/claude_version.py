@@ -13,7 +13,7 @@ import subprocess
 
 from ikcode.doctor.context import DoctorContext
 from ikcode.doctor.result import CheckResult, passed, warned
-from ikcode.launcher.claude import NPM_HINT
+from ikcode.launcher.claude import NPM_HINT, TESTED_CLAUDE_VERSION
 
 NAME = "claude"
 MIN_VERSION = (2, 1, 181)
@@ -54,6 +54,16 @@ def check_claude(ctx: DoctorContext) -> CheckResult:
             NAME,
             f"Claude Code {text} at {binary}: before {need} its attribution line changes every request",
             f"upgrade: {NPM_HINT}@latest",
+            path=binary, version=text,
+        )  # fmt: skip
+    if version < TESTED_CLAUDE_VERSION:
+        tested = ".".join(map(str, TESTED_CLAUDE_VERSION))
+        # npm picks an older release on an older Node unless asked for the version itself.
+        newest = "npm install -g @anthropic-ai/claude-code@$(npm view @anthropic-ai/claude-code version)"
+        return warned(
+            NAME,
+            f"Claude Code {text} at {binary} is older than {tested}, the release ikcode is tested with",
+            f"upgrade: {newest}",
             path=binary, version=text,
         )  # fmt: skip
     return passed(NAME, f"Claude Code {text} at {binary}", path=binary, version=text)

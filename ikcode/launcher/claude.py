@@ -21,6 +21,8 @@ from ikcode.launcher.rolemap import Mapping, claude_env
 from ikcode.profiles import Profile
 
 NPM_HINT = "npm install -g @anthropic-ai/claude-code"
+# The release the tests run (scripts/test.sh pins it); `ikcode doctor` flags an older one.
+TESTED_CLAUDE_VERSION = (2, 1, 332)
 
 
 class LauncherError(Exception):

@@ -242,6 +242,8 @@ def start_background(
     log = log_file()
     with log.open("ab") as handle:
         handle.write(f"\n==== starting {time.strftime('%Y-%m-%d %H:%M:%S')} ====\n".encode())
+        handle.flush()
+        start_offset = handle.tell()  # this start's lines begin here (earlier starts' are above)
         proc = subprocess.Popen(
             [sys.executable, "-m", "ikcode", *child_args],
             stdout=handle,
@@ -255,7 +257,10 @@ def start_background(
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             clear_state(proc.pid)
-            tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:])
+            with log.open("rb") as handle:
+                handle.seek(start_offset)
+                ours = handle.read().decode(errors="replace")
+            tail = "\n".join(ours.strip().splitlines()[-15:])
             raise DaemonError(f"the server exited with code {proc.returncode} while starting:\n{tail}")
         if health(url, timeout_s=1.0) is not None:
             return state

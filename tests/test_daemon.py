@@ -102,3 +102,12 @@ def test_health_check_ignores_proxy_variables(monkeypatch):
         assert daemon.health(server.url) == {"status": "ok"}
     finally:
         server.stop()
+
+
+def test_a_failed_start_shows_its_own_errors_not_an_earlier_starts(tmp_path):
+    profile = local_profile(tmp_path, free_port())
+    first = ikcode("up", "--profile", str(profile), "--model", str(tmp_path / "first-missing.gguf"))
+    assert first.returncode != 0 and "first-missing.gguf" in first.stderr
+    second = ikcode("up", "--profile", str(profile), "--model", str(tmp_path / "second-missing.gguf"))
+    assert second.returncode != 0 and "second-missing.gguf" in second.stderr
+    assert "first-missing.gguf" not in second.stderr  # the log holds both starts; only this one shows

@@ -5,6 +5,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
 
 from ikcode import auth
 from ikcode.launcher.rolemap import CONFLICTING_VARS, MODEL_ROLE_VARS
@@ -20,6 +24,24 @@ STAND_IN = textwrap.dedent(
     sys.exit(7)
     """
 )
+
+
+@pytest.fixture(scope="module")
+def answering():
+    """The URL of something that answers HTTP (404 to everything): `ikcode claude --base-url`
+    checks that its endpoint answers before it starts claude."""
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's naming
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
 
 
 def run_ikcode_claude(tmp_path, *args, extra_env=None):
@@ -52,16 +74,16 @@ def run_ikcode_claude(tmp_path, *args, extra_env=None):
     return proc, (json.loads(record.read_text()) if record.exists() else None)
 
 
-def test_claude_gets_full_mapping_in_env_and_settings_file(tmp_path):
+def test_claude_gets_full_mapping_in_env_and_settings_file(tmp_path, answering):
     proc, rec = run_ikcode_claude(
-        tmp_path, "--base-url", "http://127.0.0.1:9/prefix", "--", "-p", "say hi", "--output-format", "json"
+        tmp_path, "--base-url", answering + "/prefix", "--", "-p", "say hi", "--output-format", "json"
     )
     assert proc.returncode == 7, proc.stderr  # claude's own exit code
     token = auth.load_or_create_token()
     for source in (rec["env"], rec["settings"]["env"]):
         for name in MODEL_ROLE_VARS:
             assert source[name] == "smollm2-135m-instruct", name
-        assert source["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:9/prefix"
+        assert source["ANTHROPIC_BASE_URL"] == answering + "/prefix"
         assert source["ANTHROPIC_AUTH_TOKEN"] == token
         assert source["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
     for name in CONFLICTING_VARS:
@@ -75,24 +97,20 @@ def test_claude_gets_full_mapping_in_env_and_settings_file(tmp_path):
     assert token not in proc.stderr and token not in proc.stdout
 
 
-def test_user_flags_override_profile_defaults(tmp_path):
-    proc, rec = run_ikcode_claude(
-        tmp_path, "--base-url", "http://127.0.0.1:9", "--", "--tools", "Bash", "-p", "x"
-    )
+def test_user_flags_override_profile_defaults(tmp_path, answering):
+    proc, rec = run_ikcode_claude(tmp_path, "--base-url", answering, "--", "--tools", "Bash", "-p", "x")
     assert proc.returncode == 7
     argv = rec["argv"]
     assert argv.count("--tools") == 1 and argv[argv.index("--tools") + 1] == "Bash"
     assert "--system-prompt" in argv  # the other default still applies
-    proc, rec = run_ikcode_claude(
-        tmp_path, "--no-default-args", "--base-url", "http://127.0.0.1:9", "--", "-p", "x"
-    )
+    proc, rec = run_ikcode_claude(tmp_path, "--no-default-args", "--base-url", answering, "--", "-p", "x")
     assert "--tools" not in rec["argv"] and "--system-prompt" not in rec["argv"]
 
 
-def test_missing_claude_says_how_to_install(tmp_path):
+def test_missing_claude_says_how_to_install(tmp_path, answering):
     env = {"PATH": "/nonexistent", "IKCODE_HOME": os.environ["IKCODE_HOME"]}
     proc = subprocess.run(
-        [sys.executable, "-m", "ikcode", "claude", "--base-url", "http://127.0.0.1:9", "--", "-p", "x"],
+        [sys.executable, "-m", "ikcode", "claude", "--base-url", answering, "--", "-p", "x"],
         env=env,
         capture_output=True,
         text=True,
@@ -100,3 +118,31 @@ def test_missing_claude_says_how_to_install(tmp_path):
     )
     assert proc.returncode != 0
     assert "npm install -g @anthropic-ai/claude-code" in proc.stderr
+
+
+def test_an_endpoint_that_does_not_answer_is_said_before_claude_starts(tmp_path):
+    proc, rec = run_ikcode_claude(tmp_path, "--base-url", "http://127.0.0.1:9", "--", "-p", "x")
+    assert proc.returncode == 1 and rec is None  # claude never ran
+    assert "nothing answers at http://127.0.0.1:9" in proc.stderr and "ikcode up" in proc.stderr
+
+
+def test_claudes_print_flag_before_the_separator_gets_a_hint(tmp_path):
+    proc, rec = run_ikcode_claude(tmp_path, "-p", "say hi")
+    assert proc.returncode == 1 and rec is None
+    assert "unknown profile 'say hi'" in proc.stderr and 'ikcode claude -- -p "..."' in proc.stderr
+
+
+def test_a_named_profile_is_not_served_by_another_profiles_server(monkeypatch):
+    from ikcode import daemon
+    from ikcode.cli.serve import ensure_stack
+    from ikcode.profiles import load_profile
+
+    wanted = load_profile("llamacpp")
+    running = daemon.ServerState(1, "127.0.0.1", wanted.endpoint.port, wanted.base_url, "local", "log", 0.0)
+    monkeypatch.setattr(daemon, "read_state", lambda: running)
+    monkeypatch.setattr(daemon, "health", lambda url, timeout_s=2.0: {"status": "ok"})
+    with pytest.raises(daemon.DaemonError, match="serving profile 'local'.*not 'llamacpp'"):
+        ensure_stack(wanted, asked_for=True)
+    assert ensure_stack(wanted) == wanted.base_url  # no profile named: whatever serves there
+    monkeypatch.setattr(daemon, "read_state", lambda: None)  # not ours: nothing to compare
+    assert ensure_stack(wanted, asked_for=True) == wanted.base_url

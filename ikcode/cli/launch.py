@@ -14,9 +14,9 @@ from rich.table import Table
 from ikcode import auth
 from ikcode.cli.common import profile_option, resolve_profile
 from ikcode.launcher import settings as claude_settings
-from ikcode.launcher.claude import LauncherError, exec_claude, mapping_for, plan_launch
+from ikcode.launcher.claude import LauncherError, endpoint_problem, exec_claude, mapping_for, plan_launch
 from ikcode.launcher.shells import SHELLS, render
-from ikcode.profiles import list_profiles
+from ikcode.profiles import ProfileError, list_profiles, load_profile
 
 base_url_option = click.option(
     "--base-url", default=None, metavar="URL", help="Use this endpoint instead of the profile's."
@@ -118,15 +118,24 @@ def claude_command(
     profile_ref: str | None, base_url: str | None, no_default_args: bool, claude_args: tuple[str, ...]
 ) -> None:
     """Run Claude Code against the served model: ikcode claude [OPTIONS] -- [CLAUDE ARGS]"""
-    profile = resolve_profile(profile_ref)
+    try:
+        profile = load_profile(profile_ref)
+    except ProfileError as err:
+        # `ikcode claude -p "..."` meant claude's --print: ours is --profile.
+        hint = ' (claude\'s own arguments go after --: ikcode claude -- -p "...")'
+        raise click.ClickException(f"{err}{hint}") from None
     if base_url is None and profile.engine != "upstream":
         from ikcode.cli.serve import ensure_stack
         from ikcode.daemon import DaemonError
 
         try:
-            base_url = ensure_stack(profile)
+            base_url = ensure_stack(profile, asked_for=profile_ref is not None)
         except DaemonError as err:
             raise click.ClickException(str(err)) from None
+    else:  # an endpoint ikcode does not start: it must answer before claude is started on it
+        url = base_url or profile.base_url
+        if (problem := endpoint_problem(url)) is not None:
+            raise click.ClickException(problem)
     try:
         plan = plan_launch(profile, list(claude_args), base_url, use_default_args=not no_default_args)
     except LauncherError as err:

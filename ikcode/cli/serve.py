@@ -40,11 +40,19 @@ def start_stack(profile: Profile, port: int | None = None, model: str | None = N
         )
 
 
-def ensure_stack(profile: Profile) -> str:
-    """The profile's endpoint, started first when nothing answers there (used by `ikcode claude`)."""
-    if daemon.health(profile.base_url) is not None:
-        return profile.base_url
+def ensure_stack(profile: Profile, asked_for: bool = False) -> str:
+    """The profile's endpoint, started first when nothing answers there (used by `ikcode claude`).
+    `asked_for`: the user named this profile; a server of another profile on its port is then
+    an error (its model and the profile's claude arguments would not match)."""
     running = daemon.read_state()
+    if daemon.health(profile.base_url) is not None:
+        other = running is not None and running.url == profile.base_url and running.profile != profile.name
+        if asked_for and running is not None and other:
+            raise daemon.DaemonError(
+                f"ikcode is serving profile {running.profile!r} at {running.url}, not {profile.name!r}: "
+                f"stop it first (`ikcode down`), or run `ikcode claude --profile {running.profile}`"
+            )
+        return profile.base_url
     if running is not None and daemon.health(running.url) is not None:
         return running.url
     state = start_stack(profile)

@@ -65,6 +65,20 @@ def discover_served_model(base_url: str, token: str | None, timeout_s: float = 2
     return ServedModel(str(entry["id"]), window, output, "server")
 
 
+def endpoint_problem(base_url: str, timeout_s: float = 5.0) -> str | None:
+    """Why claude could not reach base_url, or None when something answers there (any status:
+    a 401 or 404 is still a server; Claude Code's own error would come after minutes of retries)."""
+    try:
+        # trust_env=False: as for the daemon's health check, a proxy must not route this away.
+        httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s, trust_env=False)
+    except httpx.TransportError as err:
+        return (
+            f"nothing answers at {base_url} ({type(err).__name__}): start the server there "
+            "(`ikcode up`), or give the right --base-url"
+        )
+    return None
+
+
 def served_model_for(profile: Profile, base_url: str, token: str | None, discover: bool) -> ServedModel:
     if discover:
         found = discover_served_model(base_url, token)

@@ -97,6 +97,8 @@ def check_token_name(name: str) -> None:
 def add_team_token(name: str) -> str:
     check_token_name(name)
     tokens = team_tokens()
+    if name in tokens:  # replacing it silently would lock its holder out at the next restart
+        raise ValueError(f"a token named {name!r} exists: revoke it first (`ikcode token --revoke {name}`)")
     tokens[name] = TOKEN_PREFIX + secrets.token_urlsafe(32)
     _save_team_tokens(tokens)
     return tokens[name]

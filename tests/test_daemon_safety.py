@@ -87,3 +87,13 @@ def test_a_token_name_must_be_a_real_name(name):
     result = ikcode("token", "--add", name)
     assert result.returncode != 0
     assert auth.team_tokens() == {}
+
+
+def test_adding_a_name_twice_is_refused_and_the_first_token_stays():
+    first = ikcode("token", "--add", "bob")
+    assert first.returncode == 0 and "restart it to apply" in first.stderr
+    token = first.stdout.strip()
+    assert auth.team_tokens() == {"bob": token}  # stdout is the token alone
+    again = ikcode("token", "--add", "bob")
+    assert again.returncode != 0 and "exists" in again.stderr and "--revoke bob" in again.stderr
+    assert auth.team_tokens() == {"bob": token}

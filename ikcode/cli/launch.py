@@ -169,16 +169,19 @@ def token_command(
 
     The server reads them at start: restart it (`ikcode down && ikcode up`) after a change.
     """
+    restart = "the server reads tokens at start: restart it to apply (`ikcode down && ikcode up`)"
     if add_name is not None:  # "" too: refused with a reason, not taken for "no option"
         try:
             click.echo(auth.add_team_token(add_name))
         except ValueError as err:
             raise click.ClickException(str(err)) from None
+        click.echo(restart, err=True)  # stdout holds the token alone, for scripts
         return
     if revoke_name is not None:
         if not auth.revoke_team_token(revoke_name):
             raise click.ClickException(f"no token named {revoke_name!r}")
         click.echo(f"revoked {revoke_name}")
+        click.echo(restart, err=True)
         return
     if list_names:
         for name, token in auth.team_tokens().items():

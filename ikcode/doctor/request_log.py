@@ -10,9 +10,18 @@ from urllib.parse import urlparse
 
 from ikcode import daemon
 from ikcode.auth import is_loopback
+from ikcode.doctor.result import SKIP, CheckResult, warned
 
 TAIL_BYTES = 16 * 1024 * 1024
 NO_LOG_FIX = "run doctor on the server's machine, or pass --request-log PATH (the server's requests.jsonl)"
+
+
+def no_log_result(ctx: Any, name: str, what: str) -> CheckResult:
+    """Without a request log: a skip when the server is down (the log is found through the
+    running server), else a warning that says where to run doctor."""
+    if not ctx.reachable:
+        return CheckResult(name, SKIP, "not run: the endpoint does not answer", "")
+    return warned(name, f"no request log here: cannot {what}", NO_LOG_FIX)
 
 
 def local_request_log(base_url: str) -> Path | None:

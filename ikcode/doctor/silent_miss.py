@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from ikcode.doctor.context import DoctorContext
-from ikcode.doctor.request_log import NO_LOG_FIX, cached_tokens, read_records
+from ikcode.doctor.request_log import cached_tokens, no_log_result, read_records
 from ikcode.doctor.result import CheckResult, failed, passed, warned
 
 NAME = "silent_miss"
@@ -148,7 +148,7 @@ def check_silent_miss(ctx: DoctorContext) -> CheckResult:
         )
     records = read_records(ctx.request_log)
     if records is None:
-        return warned(NAME, "no request log here: cannot look for silent misses", NO_LOG_FIX)
+        return no_log_result(ctx, NAME, "look for silent misses")
     result = analyse(records)
     if result["pairs_checked"] == 0:
         return warned(

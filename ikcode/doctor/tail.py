@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ikcode.doctor.context import DoctorContext
-from ikcode.doctor.request_log import NO_LOG_FIX, read_records
+from ikcode.doctor.request_log import no_log_result, read_records
 from ikcode.doctor.result import CheckResult, failed, passed, warned
 
 NAME = "tail"
@@ -46,7 +46,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 def check_tail(ctx: DoctorContext) -> CheckResult:
     records = read_records(ctx.request_log)
     if records is None:
-        return warned(NAME, "no request log here: cannot summarize TTFT", NO_LOG_FIX)
+        return no_log_result(ctx, NAME, "summarize TTFT")
     bound = ctx.ttft_bound_s
     summary = summarize(records)
     data = {"ttft_bound_s": bound, **summary}

@@ -7,6 +7,7 @@ import json
 from click.testing import CliRunner
 
 from ikcode.cli import main
+from tests.serving import free_port
 
 
 def test_bench_simulate_writes_json_and_chart(tmp_path):
@@ -92,3 +93,14 @@ def test_bench_sensitivity_table_has_every_row_for_both_policies(tmp_path):
     assert "| base | fifo |" in result.output
     refused = CliRunner().invoke(main, ["bench", "--sensitivity"])
     assert refused.exit_code != 0 and "--simulate" in refused.output
+
+
+def test_a_live_run_against_no_server_says_why_its_turns_failed(tmp_path):
+    port = free_port()  # nothing listens there
+    args = ["bench", "--base-url", f"http://127.0.0.1:{port}", "--agents", "1", "--context", "100",
+            "--duration", "2", "--json", str(tmp_path / "out.json")]  # fmt: skip
+    result = CliRunner().invoke(main, args)
+    report = json.loads((tmp_path / "out.json").read_text())
+    report = report["runs"][0] if "runs" in report else report
+    assert report["failed"] > 0 and any("ConnectError" in error for error in report["errors"])
+    assert "turn(s) failed: ConnectError" in result.output

@@ -30,7 +30,7 @@ def print_reports(reports: list[dict[str, Any]], console: Console | None = None)
             )
     console.print(table)
     summary = Table(title="load and cache")
-    cols = ("policy", "failed", "shed+retried", "within 15 s", "from cache", "read tok/s", "computed tok/s")
+    cols = ("policy", "failed", "retried", "within 15 s", "from cache", "read tok/s", "computed tok/s")
     for col in cols:
         summary.add_column(col, justify="right")
     for r in reports:
@@ -44,6 +44,10 @@ def print_reports(reports: list[dict[str, Any]], console: Console | None = None)
             f"{r['computed_tokens_per_s']:,.0f}",
         )
     console.print(summary)
+    for r in reports:
+        for error, count in (r.get("errors") or {}).items():
+            policy = r["config"].get("policy", "-")
+            console.print(f"[yellow]{policy}: {count} turn(s) failed: {error}[/yellow]", highlight=False)
     if any("steady" in r for r in reports):
         steady = Table(title="steady state (turns sent after every agent's first turn finished) vs start-up")
         for col in ("policy", "section", "from (s)", "n", "p50", "p95", "cold n", "cold p50", "cold p95"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,8 @@ def summarize(turns: list[TurnResult], duration_s: float, config: dict[str, Any]
         "requests": len(turns),
         "completed": len(ok),
         "failed": sum(1 for t in turns if t.failed),
+        # Why turns failed, the commonest first (a run against a server that is not there says so).
+        "errors": dict(Counter(t.error for t in turns if t.failed and t.error).most_common(3)),
         "shed_retries": sum(t.attempts - 1 for t in turns),
         "ttft": ttft,
         "steady": steady_block,

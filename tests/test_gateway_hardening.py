@@ -326,6 +326,9 @@ def test_a_client_leaving_while_sending_its_body_is_a_499_not_a_500(served, path
         time.sleep(0.05)
     assert f'route="{path}",status="499"' in metrics
     assert 'status="500"' not in metrics
+    # `ikcode status` counts the server's errors apart from the requests it refused.
+    health = httpx.get(server.url + "/health", headers=HEADERS).json()
+    assert health["errors"] == 0 and health["refused"] > 0
     assert post(server, message()).status_code == 200  # still serving
     wait_idle(engine)
 

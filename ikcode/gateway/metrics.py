@@ -113,17 +113,21 @@ class GatewayMetrics:
         prompt = get("ikcode_prompt_tokens_total") or 0.0
         device = get("ikcode_cached_tokens_total", {"tier": "device"}) or 0.0
         host = get("ikcode_cached_tokens_total", {"tier": "host"}) or 0.0
-        answered = errors = 0.0
+        answered = errors = refused = 0.0
         for metric in self.requests.collect():
             for sample in metric.samples:
                 if sample.name.endswith("_total") and sample.labels.get("route") == "/v1/messages":
-                    if sample.labels.get("status", "").startswith("2"):
+                    status = sample.labels.get("status", "")
+                    if status.startswith("2"):
                         answered += sample.value
-                    else:
+                    elif status.startswith("4"):  # the request's own fault (or its client left)
+                        refused += sample.value
+                    else:  # the server's: 5xx, 529 overloaded
                         errors += sample.value
         return {
             "requests": int(answered),
             "errors": int(errors),
+            "refused": int(refused),
             "prompt_tokens": int(prompt),
             "cached_tokens_device": int(device),
             "cached_tokens_host": int(host),

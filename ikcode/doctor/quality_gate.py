@@ -114,9 +114,11 @@ def check_quality_gate(ctx: DoctorContext) -> CheckResult:
                 "at temperature 0"
             )
     first = docs[0]
+    # A small model may miss the needle: the gate is that the cold and warm answers are the same.
+    needle = "needle found" if first["found"] else "the model missed the needle; what counts is cold = warm"
     summary = (
         f"{len(docs)} document(s) up to {max(d['prompt_tokens'] for d in docs):,} tokens: answer "
-        f"{first['cold_answer'][:40]!r} ({'needle found' if first['found'] else 'needle not found'}), "
+        f"{first['cold_answer'][:40]!r} ({needle}), "
         f"match {all(d['match'] for d in docs)}, warm hit {_pct(first['warm_hit_rate'])}, "
         f"TTFT cold {_secs(first['cold_ttft_s'])} / warm {_secs(first['warm_ttft_s'])}"
     )

@@ -18,6 +18,8 @@ from ikcode.launcher.claude import NPM_HINT, TESTED_CLAUDE_VERSION
 NAME = "claude"
 MIN_VERSION = (2, 1, 181)
 _VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)")
+# By its exact version: asked for without one, npm picks an older release on an older Node.
+UPGRADE = "upgrade: npm install -g @anthropic-ai/claude-code@$(npm view @anthropic-ai/claude-code version)"
 
 
 def find_claude_bin(environ: dict[str, str]) -> str | None:
@@ -48,22 +50,12 @@ def check_claude(ctx: DoctorContext) -> CheckResult:
         )
     version = tuple(int(part) for part in match.groups())
     text = ".".join(map(str, version))
+    problem = None
     if version < MIN_VERSION:
-        need = ".".join(map(str, MIN_VERSION))
-        return warned(
-            NAME,
-            f"Claude Code {text} at {binary}: before {need} its attribution line changes every request",
-            f"upgrade: {NPM_HINT}@latest",
-            path=binary, version=text,
-        )  # fmt: skip
-    if version < TESTED_CLAUDE_VERSION:
+        problem = f"before {'.'.join(map(str, MIN_VERSION))} its attribution line changes every request"
+    elif version < TESTED_CLAUDE_VERSION:
         tested = ".".join(map(str, TESTED_CLAUDE_VERSION))
-        # npm picks an older release on an older Node unless asked for the version itself.
-        newest = "npm install -g @anthropic-ai/claude-code@$(npm view @anthropic-ai/claude-code version)"
-        return warned(
-            NAME,
-            f"Claude Code {text} at {binary} is older than {tested}, the release ikcode is tested with",
-            f"upgrade: {newest}",
-            path=binary, version=text,
-        )  # fmt: skip
+        problem = f"older than {tested}, the release ikcode is tested with"
+    if problem is not None:
+        return warned(NAME, f"Claude Code {text} at {binary}: {problem}", UPGRADE, path=binary, version=text)
     return passed(NAME, f"Claude Code {text} at {binary}", path=binary, version=text)

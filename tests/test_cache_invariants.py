@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from ikcode.cache import PrefixCache, hash_blocks
+from ikcode.cache import OutOfBlocks, PrefixCache, hash_blocks
 from ikcode.cache.ikcode_policy import IkcodePolicy
 from ikcode.engines.base import EngineRequest, LifecycleKind, SamplingParams
 from tests.test_cache_helpers import ByteStore, check_bytes, compute
@@ -133,6 +133,62 @@ def test_failed_write_through_copy_still_releases_the_sequence():
     assert cache.num_free_blocks() == 4
 
 
+class RecordingStore(FlakyStore):
+    def __init__(self, num_device_blocks: int, num_host_blocks: int):
+        super().__init__(num_device_blocks, num_host_blocks)
+        self.to_host: list[list[tuple[int, int]]] = []
+
+    def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
+        self.to_host.append(list(pairs))
+        super().copy_device_to_host(pairs)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_one_allocation_never_demotes_two_blocks_into_one_host_slot(fails):
+    """Two evictions in one allocation, one host slot: the second must not take the slot the
+    first was given before its copy ran (two copies into one slot; on failure, a roll-back that
+    dropped the slot twice and left the allocation's blocks referenced)."""
+    store = RecordingStore(2, 1)
+    cache = PrefixCache(2, BS, 1, store=store)
+    store.cache = cache
+    run(cache, store, "a", hash_blocks(toks(8), BS))
+    store.fail_to_host = fails
+    b = hash_blocks(toks(8, 100), BS)
+    if fails:
+        with pytest.raises(CopyFailed):
+            cache.allocate("b", b, 2)
+    else:
+        run(cache, store, "b", b)
+        slots = [slot for _, slot in store.to_host[-1]]
+        assert len(slots) == len(set(slots)) == 1  # one demoted, the other dropped
+    cache.check_invariants()
+    check_bytes(cache, store)
+    assert cache.num_free_blocks() == 2
+
+
+def test_the_host_run_of_a_hit_stops_at_a_key_the_device_holds():
+    """Both tiers may hold a key (promoted, or written through). A prompt whose first block is on
+    the host only and whose second is on the device too: the hit is the first block alone (the
+    second promoted into a fresh block could not be indexed: an assertion in allocate)."""
+    store = FlakyStore(8, 8)
+    cache = PrefixCache(8, BS, 8, store=store, write_through=True)
+    store.cache = cache
+    a = hash_blocks(toks(12), BS)
+    run(cache, store, "a", a)  # 3 blocks on the device, and written through to the host
+    pool = cache.pool  # the first block alone leaves the device, as an eviction does it
+    evicted = pool.index.pop(a[0])
+    pool.block_hash[evicted] = None
+    pool.policy.remove(evicted)
+    pool.policy.forget(evicted)
+    pool.free.append(evicted)
+    cache.check_invariants()
+    assert a[0] not in cache.pool.index and a[1] in cache.pool.index and a[0] in cache.host.index
+    assert cache.match(a) == cache.match(a[:1])  # device 0, host 1
+    run(cache, store, "again", a)
+    cache.check_invariants()
+    check_bytes(cache, store)
+
+
 # ---- no write into a shared block ------------------------------------------------------------
 def test_full_hit_on_a_block_aligned_prompt_leaves_the_last_block_fresh():
     cache = PrefixCache(16, BS)
@@ -227,3 +283,71 @@ def test_admitted_listener_may_call_back_into_the_engine():
     assert stuck == [], "ADMITTED was emitted while the engine lock was held"
     assert_pool_clean(engine)
     engine.shutdown()
+
+
+class RandomlyFailingStore(ByteStore):
+    def __init__(self, num_device_blocks: int, num_host_blocks: int, rng: random.Random):
+        super().__init__(num_device_blocks, num_host_blocks)
+        self.rng = rng
+
+    def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
+        if self.rng.random() < 0.05:
+            raise CopyFailed("device -> host")
+        super().copy_device_to_host(pairs)
+
+    def copy_host_to_device(self, pairs: list[tuple[int, int]]) -> None:
+        if self.rng.random() < 0.05:
+            raise CopyFailed("host -> device")
+        super().copy_host_to_device(pairs)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_operations_with_failing_copies_keep_every_invariant(seed):
+    """Allocate (prompts sharing prefixes, under salts), grow and release at random on small tiers,
+    with 5% of the tier copies failing: after every operation the invariants hold, every indexed
+    block holds its key's bytes, and a running sequence's blocks are never overwritten."""
+    rng = random.Random(seed)
+    num_device, num_host = rng.randint(1, 12), rng.randint(0, 10)
+    store = RandomlyFailingStore(num_device, num_host, rng)
+    now = [0.0]
+    cache = PrefixCache(
+        num_device, 2, num_host, store=store, policy=rng.choice(["lru", "ikcode"]),
+        write_through=rng.random() < 0.5, clock=lambda: now[0],
+    )  # fmt: skip
+    live: dict[str, list] = {}
+    for op in range(300):
+        now[0] += rng.choice([0.1, 1.0, 50.0])
+        r = rng.random()
+        if r < 0.45:
+            tokens = [rng.randrange(3) + 3 * (i % 2) for i in range(rng.randrange(1, 15))]
+            keys = hash_blocks(tokens, 2, rng.choice(["", "", "salt"]))
+            blocks = -(-len(tokens) // 2) + rng.randrange(0, 2)
+            try:
+                alloc = cache.allocate(f"s{op}", keys, blocks, num_tokens=len(tokens))
+            except (OutOfBlocks, CopyFailed):
+                pass
+            else:
+                compute(store, alloc, keys, f"s{op}")
+                live[f"s{op}"] = keys
+        elif live and r < 0.6:
+            seq = rng.choice(sorted(live))
+            try:
+                store.device[cache.append_block(seq)] = ("grown", seq)
+            except (OutOfBlocks, CopyFailed):
+                pass
+        elif live:
+            seq = rng.choice(sorted(live))
+            keys = live.pop(seq)
+            try:
+                committed = rng.choice([keys, [], keys[: len(keys) // 2]])
+                cache.release(seq, committed, hold_s=rng.choice([None, 100.0]))
+            except CopyFailed:
+                pass
+        for seq, keys in live.items():
+            table = cache.block_table(seq)
+            assert all(store.device[table[i]] == k for i, k in enumerate(keys[: len(table)])), (seed, op)
+        cache.check_invariants()
+        check_bytes(cache, store)
+    for seq in list(live):
+        cache.release(seq, [])
+    assert cache.num_free_blocks() == num_device

@@ -81,7 +81,12 @@ class PrefixCache:
         d = len(list(takewhile(self.pool.index.__contains__, hashes)))
         h = 0
         if self.num_host_blocks:
-            h = len(list(takewhile(self.host.index.__contains__, islice(hashes, d, None))))
+            # The host run stops at a key the device also holds (both tiers hold a promoted or
+            # written-through key): a promotion into a fresh block could not be indexed, the key
+            # being the device's already. Such a block is computed again instead.
+            run = list(takewhile(self.host.index.__contains__, islice(hashes, d, None)))
+            both = self.pool.index.keys() & run  # a set operation: empty in the common case
+            h = next(i for i, key in enumerate(run) if key in both) if both else len(run)
         return Match(device_blocks=d, host_blocks=h)
 
     def num_free_blocks(self) -> int:
@@ -150,6 +155,7 @@ class PrefixCache:
         except BaseException:
             self._roll_back(hits, fresh, host_slots, demotions, now)
             raise
+        self._unpin_demoted(demotions)
         # The bytes are in place: only now may the index point at them.
         for (_slot, block), key in zip(promotions, hashes[d : d + h], strict=True):
             committed = self.pool.commit(block, key, sharer)
@@ -181,6 +187,7 @@ class PrefixCache:
         except BaseException:
             self._roll_back([], [block], [], demotions, now)
             raise
+        self._unpin_demoted(demotions)
         seq.table.append(block)
         return block
 
@@ -217,11 +224,13 @@ class PrefixCache:
                 slot, host_evicted = self.host.put(key)
                 self._host_evicted(host_evicted, now)
                 if slot is not None and self.host.slot_hash[slot] == key:
+                    self.host.pin(slot)  # as in _take_block: no second key in it before the copy
                     written.append((block, slot))
         try:
             if written:
                 self._copy(written, [])
                 self.stats.demoted_blocks += len(written)
+                self._unpin_demoted(written)
         except BaseException:
             for _block, slot in written:  # the host copies never landed: forget them
                 self._dropped(self.host.drop(slot), now)
@@ -275,9 +284,16 @@ class PrefixCache:
         if slot is None:  # every host slot pinned by this very allocation
             self._dropped(evicted, now)
         else:
+            # Pinned until the copy is done: a later demotion of the same call must not take
+            # this slot again (two copies into one slot, and a roll-back that drops it twice).
+            self.host.pin(slot)
             demotions.append((block, slot))
             self.stats.demoted_blocks += 1
         return block
+
+    def _unpin_demoted(self, demotions: list[tuple[int, int]]) -> None:
+        for _block, slot in demotions:
+            self.host.unpin(slot)
 
     def _host_evicted(self, key: BlockHash | None, now: float) -> None:
         if key is not None:

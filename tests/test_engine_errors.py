@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import ikcode.engines.embedded.engine as engine_module
+from ikcode.cache import hash_blocks
 from ikcode.engines.base import (
     EmptyPrompt,
     EngineError,
@@ -169,3 +170,67 @@ def test_a_submit_that_lands_after_the_last_step_is_still_ended_at_shutdown():
     _, final = stream.collect(5)
     assert final.finish_reason is FinishReason.ABORT and isinstance(final.error, EngineShutdown)
     assert engine.idle()
+
+
+# ---- a failed tier copy fails one request, never the engine ------------------------------------
+def _fail_once(monkeypatch, engine, name: str) -> dict:
+    """Make the runner's next `name` copy (copy_device_to_host / copy_host_to_device) raise."""
+    real = getattr(engine.runner, name)
+    left = {"failures": 1}
+
+    def flaky(pairs):
+        if left["failures"]:
+            left["failures"] -= 1
+            raise RuntimeError(f"injected {name} failure")
+        return real(pairs)
+
+    monkeypatch.setattr(engine.runner, name, flaky)
+    return left
+
+
+def test_a_failed_write_through_at_release_leaves_the_engine_serving(monkeypatch):
+    """The copy fails after the cache let go of the sequence: the scheduler must forget it too
+    (it was released again every step, failing every later request)."""
+    engine = tiny_engine(kv_memory_bytes=64 * 1024, host_kv_memory_bytes=64 * 1024, host_write_through=True)
+    try:
+        left = _fail_once(monkeypatch, engine, "copy_device_to_host")
+        tokens, final = engine.submit(EngineRequest("a", list(range(3, 43)), OK)).collect(30)
+        assert len(tokens) == 4 and final.error is None and left["failures"] == 0
+        _serves(engine)
+        assert not engine.scheduler.seqs
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+
+
+def test_a_failed_promotion_fails_only_the_request_admitted(monkeypatch):
+    engine = tiny_engine(start=False, kv_memory_bytes=128 * 1024, host_kv_memory_bytes=64 * 1024)
+    prompt = list(range(3, 63))
+
+    def run_until_idle():
+        while not engine.idle():
+            engine.step()
+
+    try:
+        engine.submit(EngineRequest("first", prompt, SamplingParams(max_tokens=1)))
+        run_until_idle()
+        for i in range(20):  # other prompts push this one's blocks out to the host tier
+            if engine.cache.match(hash_blocks(prompt, engine.info.block_size)).device_blocks == 0:
+                break
+            other = [3 + (i * 37 + j) % 290 for j in range(20)]
+            engine.submit(EngineRequest(f"flush{i}", other, SamplingParams(max_tokens=1)))
+            run_until_idle()
+        assert engine.cache.match(hash_blocks(prompt, engine.info.block_size)).host_blocks > 0
+        left = _fail_once(monkeypatch, engine, "copy_host_to_device")
+        long = SamplingParams(max_tokens=40, ignore_eos=True)
+        bystander = engine.submit(EngineRequest("bystander", [5, 6, 7], long))
+        for _ in range(3):
+            engine.step()
+        again = engine.submit(EngineRequest("again", prompt, SamplingParams(max_tokens=3)))
+        engine.start()
+        tokens, final = bystander.collect(30)
+        assert len(tokens) == 40 and final.error is None  # it ran on, untouched
+        _, failed = again.collect(30)
+        assert left["failures"] == 0 and "injected copy_host_to_device failure" in str(failed.error)
+        _serves(engine)
+    finally:
+        engine.shutdown(drain_timeout_s=5)

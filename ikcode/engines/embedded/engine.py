@@ -208,6 +208,8 @@ class EmbeddedEngine:
             self._finish(seq, FinishReason.ABORT, [])
         with self._lock:
             plan = self.scheduler.schedule()
+        for seq, exc in plan.failed:
+            self._fail(seq, exc)
         # Listeners run outside the lock: one that calls back into the engine (load()) must not
         # deadlock the engine thread.
         for seq in plan.admitted:
@@ -334,8 +336,12 @@ class EmbeddedEngine:
         # A hold only for a normal finish: an aborted or failed request's client is gone.
         normal = seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         hold_s = request.hold_tail_s if normal else None
-        with self._lock:
-            self.scheduler.release(seq, committed, session_id=request.session_id, hold_s=hold_s, step=normal)
+        session = request.session_id
+        try:
+            with self._lock:
+                self.scheduler.release(seq, committed, session_id=session, hold_s=hold_s, step=normal)
+        except Exception:  # a failed write-through copy: the blocks are released, the request done
+            logger.exception("cache commit failed for %s", seq.seq_id)
         seq.stats.released_at = time.monotonic()
         self._emit(LifecycleKind.RELEASED, seq)
 

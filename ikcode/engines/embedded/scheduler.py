@@ -19,11 +19,14 @@ re-admission is mostly a cache hit.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 from ikcode.cache import BlockHash, OutOfBlocks, PrefixCache
 from ikcode.engines.embedded.sequence import Sequence, SequenceStatus
+
+logger = logging.getLogger("ikcode.engine")
 
 
 @dataclass
@@ -36,6 +39,9 @@ class ScheduledSeq:
 class StepPlan:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # first admitted in this step
+    # Sequences whose blocks could not be given (a tier copy failed): the engine fails each of
+    # them alone; the others go on.
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
 
 def committable_hashes(seq: Sequence, block_size: int) -> list[BlockHash]:
@@ -103,35 +109,46 @@ class Scheduler:
         hold_s: float | None = None,
         step: bool = False,
     ) -> None:
-        """Give seq's blocks back to the cache (committing `committed`) and forget it."""
-        if seq.block_table:
-            self.cache.release(seq.seq_id, committed, session_id=session_id, hold_s=hold_s, step=step)
-        seq.block_table = []
-        seq.status = SequenceStatus.RELEASED
-        del self.seqs[seq.seq_id]
+        """Give seq's blocks back to the cache (committing `committed`) and forget it. A failed
+        commit (a write-through copy) is raised after seq is forgotten: the cache has let go of
+        its blocks either way, and a sequence left here would be released again every step."""
+        try:
+            if seq.block_table:
+                self.cache.release(seq.seq_id, committed, session_id=session_id, hold_s=hold_s, step=step)
+        finally:
+            seq.block_table = []
+            seq.status = SequenceStatus.RELEASED
+            del self.seqs[seq.seq_id]
 
     # ---- the next step -----------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         # Decodes first: a running agent's next token never waits behind a prefill.
         for seq in self.with_status(SequenceStatus.RUNNING):
-            if seq.status is SequenceStatus.RUNNING and seq.is_decoding and self._grow(seq):
+            if seq.status is SequenceStatus.RUNNING and seq.is_decoding and self._grow(seq, 1, plan):
                 plan.scheduled.append(ScheduledSeq(seq, 1))
         # Admission takes a seat and the prompt's blocks, no compute: only then is it known how
         # much of the prompt the cache holds, which is what orders the prefills below.
         num_running = len(self.with_status(SequenceStatus.RUNNING))
         for seq in self.with_status(SequenceStatus.WAITING):
-            if num_running >= self.max_num_seqs or not self._admit(seq):
+            if num_running >= self.max_num_seqs:
+                break
+            try:
+                admitted = self._admit(seq)
+            except Exception as exc:  # a failed tier copy, rolled back: this request fails alone
+                plan.failed.append((seq, exc))
+                continue
+            if not admitted:
                 break  # back-pressure: it and those after it wait until blocks come back
             num_running += 1
             if seq.num_preemptions == 0:
                 plan.admitted.append(seq)
-        plan.scheduled += self._schedule_prefills()
+        plan.scheduled += self._schedule_prefills(plan)
         # A sequence scheduled early in this pass may have been preempted later in it.
         plan.scheduled = [s for s in plan.scheduled if s.seq.status is SequenceStatus.RUNNING]
         return plan
 
-    def _schedule_prefills(self) -> list[ScheduledSeq]:
+    def _schedule_prefills(self, plan: StepPlan) -> list[ScheduledSeq]:
         """Share the step's prefill budget: tails first, then a chunk of a long prefill.
 
         A warm turn's tail (the few hundred tokens after its cached prefix) is one step from its
@@ -162,8 +179,8 @@ class Scheduler:
                     seq.prefill_passed_over = True
                     continue
                 n = min(budget, self.long_prefill_chunk_tokens)
-            if not self._grow(seq, n):
-                continue  # seq itself was preempted
+            if not self._grow(seq, n, plan):
+                continue  # seq itself was preempted, or failed
             seq.prefill_passed_over = False
             first_tokens = first_tokens or n == seq.num_pending_tokens
             out.append(ScheduledSeq(seq, n))
@@ -202,8 +219,9 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         return True
 
-    def _grow(self, seq: Sequence, num_tokens: int = 1) -> bool:
-        """Make room for num_tokens more K/V rows; preempt the newest other sequence if needed."""
+    def _grow(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
+        """Make room for num_tokens more K/V rows; preempt the newest other sequence if needed.
+        False when seq does not run in this step: preempted, or failed (in plan.failed)."""
         needed = self.blocks_needed(seq.num_computed_tokens + num_tokens)
         while len(seq.block_table) < needed:
             try:
@@ -213,10 +231,16 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is seq:
                     return False
+            except Exception as exc:  # a failed tier copy, rolled back: seq fails alone
+                plan.failed.append((seq, exc))
+                return False
         return True
 
     def _preempt(self, seq: Sequence) -> None:
-        self.cache.release(seq.seq_id, committable_hashes(seq, self.block_size), step=False)
+        try:
+            self.cache.release(seq.seq_id, committable_hashes(seq, self.block_size), step=False)
+        except Exception:  # a failed write-through: the blocks are released all the same
+            logger.exception("cache commit failed while preempting %s", seq.seq_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

@@ -6,15 +6,21 @@ sliding window it reads, so a wrong resume changes the answer."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from ikcode.engines.base import EngineError, EngineRequest, FinishReason, SamplingParams
+from tests.deepinfer_build import cpu_backend
 from tests.deepinfer_build.harness import (
     assert_no_leaks,
+    built_core,
     finished_normally,
     random_tokens,
     real_engine,
@@ -135,3 +141,26 @@ def test_a_rank_that_dies_is_detected_and_reported(tmp_path):
     finally:
         engine.shutdown(drain_timeout_s=5)
     assert all(not r.process.is_alive() for r in engine.ranks)
+
+
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_engine_args_split_the_experts_and_keep_preemption_final(tmp_path, ranks):
+    """What one rank's EngineArgs make of it, in DeepInfer's own create_engine_configs: the
+    experts split over the ranks (the default, 1, puts them all on every card), preempted
+    requests stopped whatever the profile says (the adapter's preemption path expects it). With
+    one rank, on DeepInfer's real scheduler: a stall-guard hand-back leaves the state slot's id on
+    the Sequence, which must be reset for the retry to allocate; a prompt add_request refuses
+    gives None, and no output ever comes for it (the adapter fails it at once)."""
+    built_core()
+    model = cpu_backend.write_model_dir(tmp_path / "model")
+    probe = subprocess.run(
+        [sys.executable, "-m", "tests.deepinfer_build.engine_args_probe", str(model), str(ranks)],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    out = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert out["expert_parallel_size"] == out["data_parallel_size"] == ranks
+    assert out["stop_preempted_request"] is True
+    if ranks == 1:
+        assert out["state_id_after_free"] != -1 and out["retry_allocated"] is True
+        assert out["refused_prompt"] is True

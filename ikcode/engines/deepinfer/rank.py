@@ -6,9 +6,9 @@ Callers hand work over through `inbox` / `aborts` under `lock`. The lockstep loo
 `prepare` / `drive` on every rank lives in engine.py.
 
 Gaps DeepInfer leaves to the server, filled here (facts: "Gaps the server fills"): EOS is emitted
-as a token (stripped), stop ids and max_tokens are enforced here, rejected requests echo the
-prompt's last token (never streamed), aborted RUNNING requests get no final output (the stream is
-closed here). The cache is committed in finalize_seq, when the engine really frees the sequence.
+as a token (stripped), stop ids and max_tokens are enforced here, a prompt add_request refuses
+fails at once (no output ever comes for it), aborted RUNNING requests get no final output (the
+stream is closed here). The cache is committed in finalize_seq, when the engine really frees the sequence.
 
 Admission of pending requests is in rank_admission.py, closing and releasing them in
 rank_release.py; this file holds the state, the hand-over from other threads, and the step with
@@ -29,11 +29,9 @@ import numpy as np
 
 from ikcode.engines.base import (
     EngineError,
-    EngineOverloaded,
     EngineShutdown,
     FinishReason,
     LifecycleKind,
-    PromptTooLong,
     TokenEvent,
 )
 from ikcode.engines.deepinfer.caching_engine import make_caching_engine
@@ -51,6 +49,25 @@ _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": F
 PREEMPTED = "insufficient_system_resource"  # FINISHED_PREEMPTED's reason (sequence.hpp:55-56)
 
 
+def engine_args(config: DeepInferConfig, rank: int) -> dict[str, Any]:
+    """EngineArgs of one rank: the profile's [deepinfer] engine_args over ikcode's settings, but
+    never without the one this adapter depends on."""
+    args: dict[str, Any] = dict(
+        model=config.model, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
+        gpu_memory_utilization=config.gpu_memory_utilization, chunked_prefill=config.chunked_prefill,
+        max_num_batched_tokens=config.max_num_batched_tokens if config.chunked_prefill else None,
+        data_parallel_size=config.data_parallel_size, engine_rank=rank, disable_log_stats=True,
+        # The experts split over the ranks (facts: Several GPUs): EngineArgs' default is 1
+        # (arg_utils.py:30), which puts every expert on every card.
+        expert_parallel_size=config.data_parallel_size,
+    )  # fmt: skip
+    args.update(config.engine_args)
+    # A preempted sequence must end with "insufficient_system_resource" (scheduler.hpp:771-788),
+    # as _on_preempted expects; DeepInfer's own LLM sets False (entrypoints/llm.py:68).
+    args["stop_preempted_request"] = True
+    return args
+
+
 class RankWorker(RankAdmission, RankRelease):
     def __init__(
         self,
@@ -66,13 +83,7 @@ class RankWorker(RankAdmission, RankRelease):
         self.config = config
         self.eos_ids = frozenset(eos_ids)
         self.emit = emit
-        args = backend.EngineArgs(
-            model=config.model, max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-            gpu_memory_utilization=config.gpu_memory_utilization, chunked_prefill=config.chunked_prefill,
-            max_num_batched_tokens=config.max_num_batched_tokens if config.chunked_prefill else None,
-            data_parallel_size=config.data_parallel_size, engine_rank=rank, disable_log_stats=True,
-            **config.engine_args,
-        )  # fmt: skip
+        args = backend.EngineArgs(**engine_args(config, rank))
         self.engine = make_caching_engine(backend.LLMEngine, args)
         self.engine.ikcode_rank = self
         self.scheduler = self.engine.scheduler
@@ -178,15 +189,6 @@ class RankWorker(RankAdmission, RankRelease):
     def _on_output(self, r: RankRequest, token: int, reason: str | None, finished: bool) -> None:
         if reason == PREEMPTED and r.admitted:
             self._on_preempted(r)
-            return
-        if r.rejected:  # the echoed prompt token is not an answer
-            n = len(r.request.prompt_token_ids)
-            err: EngineError = (
-                PromptTooLong(n, self.config.max_model_len - 1)
-                if reason == "prompt_length_exceeded"
-                else EngineOverloaded(f"deepinfer rejected the request: {reason}")
-            )
-            self._fail(r, err)
             return
         r.engine_tokens.append(token)
         r.engine_finished = r.engine_finished or finished

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ikcode.engines.base import EngineOverloaded, LifecycleKind, RequestStream
+from ikcode.engines.base import EngineError, EngineOverloaded, LifecycleKind, RequestStream
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN
 from ikcode.engines.deepinfer.request import RankRequest
 
@@ -54,15 +54,13 @@ class RankAdmission:
             if r.seq is None and not r.internal and r.cached_before_prime is None and self._start_prime(r):
                 continue
             try:
-                added = r.seq is not None or self._add(r)
+                if r.seq is None:
+                    self._add(r)
             except Exception as exc:
                 self.pending.remove(r)
                 if r.seq is not None:
                     self.engine.abort_request(r.request_id)
                 self._fail(r, exc)
-                continue
-            if not added:
-                self.pending.remove(r)
                 continue
             prompt_len = len(r.request.prompt_token_ids)
             blocks = -(-prompt_len // KVSTORE_GRAIN)
@@ -75,6 +73,10 @@ class RankAdmission:
                 # (scheduler.hpp:80, 313) and has no eviction of its own; admitting this one now
                 # could leave every sequence waiting. Give the blocks back and retry later.
                 self.scheduler.free_seq(r.seq)
+                # free_seq frees the state slot but leaves its id on the Sequence
+                # (scheduler.hpp:738-741), and try_allocate_seq refuses a Sequence that has one
+                # (block_manager.hpp:221, "state already allocated"): the retry must see -1.
+                r.seq.state_id = -1
                 allocated = False
                 self.stall_guard_hits += 1
             if not allocated:
@@ -118,21 +120,22 @@ class RankAdmission:
         self.pending.insert(self.pending.index(r), prime)
         return True
 
-    def _add(self, r: RankRequest) -> bool:
+    def _add(self, r: RankRequest) -> None:
         s = r.request.sampling
         params = self.backend.SamplingParams(
             temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
             max_tokens=s.max_tokens, seq_seed=s.seed if s.seed is not None else self.config.seed,
+            ignore_eos=s.ignore_eos,  # its default stops at EOS (sampling_params.py:51, scheduler.hpp:1038)
         )  # fmt: skip
         prompt = np.asarray(r.request.prompt_token_ids, dtype=np.int32)
         user = r.request.cache_salt or "ikcode"
         r.seq = self.engine.add_request(user, r.request_id, params, prompt, enqueue=False)
         if r.seq is None:
-            r.rejected = True  # the next step's output echoes the prompt's last token and says why
-            return False
+            # Refused before a Sequence exists (bad token ids, llm_engine.py:584-589): no output
+            # will ever come for it, so it fails here.
+            raise EngineError(f"DeepInfer refused the prompt of {r.request_id} (a token id out of its range)")
         if not hasattr(r.seq, "block_table"):
             raise RuntimeError(NO_BINDING)
-        return True
 
     def _resume(self, r: RankRequest) -> None:
         """The cache hit (if any) into the allocated sequence, then hand it to the scheduler."""

@@ -16,7 +16,6 @@ class RankRequest:
     hashes: list[BlockHash]  # keys of the prompt's full 128-token blocks
     stats: RequestStats = field(default_factory=RequestStats)
     seq: Any = None  # DeepInfer's Sequence once add_request returned it
-    rejected: bool = False  # add_request returned None: the next output says why
     admitted: bool = False  # try_allocate_seq succeeded and the sequence was handed to the engine
     engine_tokens: list[int] = field(default_factory=list)  # prompt + every emitted id (EOS too)
     num_streamed: int = 0  # output tokens handed to the stream (EOS and stop ids stripped)

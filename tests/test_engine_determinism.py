@@ -216,3 +216,55 @@ def test_attention_reads_only_each_sequences_own_blocks(mode: str):
         engine.step()
     engine.start()
     engine.shutdown()
+
+
+@pytest.mark.parametrize("float_weights", ["fp32", "bf16"])
+def test_a_cached_answer_gives_the_next_turn_the_numbers_of_a_cold_read(float_weights: str):
+    """Turn 2 = turn 1's prompt + its greedy answer + new tokens. Warm, the answer's blocks come
+    from the cache, where turn 1's decode steps wrote them; cold (another salt), they are a
+    prompt's. The K/V must be the same bits: a decode row is computed as a prompt row would be."""
+    rng = random.Random(11)
+    engine = tiny_engine(kv_memory_bytes=1 << 20, max_num_seqs=6, float_weights=float_weights)
+    kv = record_kv(engine)
+    for trial in range(6):
+        first = _prompt(rng, rng.randrange(5, 60))
+        answer, _ = engine.submit(
+            EngineRequest(
+                f"t1-{trial}", first, SamplingParams(max_tokens=rng.randrange(20, 50), ignore_eos=True)
+            )
+        ).collect(30)
+        second = first + answer + _prompt(rng, rng.randrange(1, 20))
+        warm, final = engine.submit(EngineRequest(f"warm{trial}", second, GREEDY)).collect(30)
+        cold, _ = engine.submit(
+            EngineRequest(f"cold{trial}", second, GREEDY, cache_salt=f"c{trial}")
+        ).collect(30)
+        assert final.stats.cached_tokens_device > len(first)  # the answer's blocks were hits
+        assert warm == cold
+        assert _same_kv(kv[f"warm{trial}"], kv[f"cold{trial}"]), f"trial {trial}: K/V differ in the last bits"
+    assert_pool_clean(engine)
+    engine.shutdown()
+
+
+def test_a_greedy_request_preempted_mid_answer_gets_the_numbers_it_gets_alone():
+    """Four answers that outgrow a 10-block pool: some are preempted, their generated tokens read
+    again as a prompt on re-admission. Tokens and K/V must equal each request's alone."""
+    rng = random.Random(5)
+    greedy = SamplingParams(max_tokens=60, ignore_eos=True)
+    prompts = [_prompt(rng, 20) for _ in range(4)]
+    alone = tiny_engine(kv_memory_bytes=1 << 22)
+    kv_alone = record_kv(alone)
+    expected = [alone.submit(EngineRequest(f"a{i}", p, greedy)).collect(30)[0] for i, p in enumerate(prompts)]
+    alone.shutdown()
+    engine = tiny_engine(start=False, kv_memory_bytes=80 * 1024, max_num_seqs=4)
+    kv = record_kv(engine)
+    preempt, preempted = engine.scheduler._preempt, []
+    engine.scheduler._preempt = lambda seq: preempted.append(seq.seq_id) or preempt(seq)
+    streams = [engine.submit(EngineRequest(f"b{i}", p, greedy)) for i, p in enumerate(prompts)]
+    engine.start()
+    got = [stream.collect(60) for stream in streams]
+    assert preempted  # the pool did run out
+    for i, (tokens, _) in enumerate(got):
+        assert tokens == expected[i]
+        assert _same_kv(kv[f"b{i}"], kv_alone[f"a{i}"]), f"request {i}: K/V differ in the last bits"
+    assert_pool_clean(engine)
+    engine.shutdown()

@@ -11,16 +11,19 @@ different shapes (here: 1-3 rows take a matrix-vector path; with several threads
 are not a multiple of 4 split badly), and the SDPA kernel cuts queries and keys into shape-dependent
 tiles. A token therefore gets the same numbers whatever else is in the batch, and whether its prefix
 came from the cache or was computed, when:
-- prompt rows go through matmuls of a multiple of 4 rows (padding rows added by the caller) and
-  each decode row through its own one-row matmul (`ForwardBatch.row_groups`); every sampled row
-  goes through the output layer alone;
+- prompt rows go through matmuls of a multiple of 4 rows (padding rows added by the caller), and
+  so does a batch-invariant decode row: it is run as a one-token prompt chunk, so the K/V it
+  writes are the bits a later prompt read of the same token computes (an answer cached for the
+  next turn, a sequence preempted and read again); every sampled row goes through the output
+  layer alone;
 - a prompt row at position p is given exactly the keys [0, visible_keys(p)) (a fixed function of p,
   so the kernel's key tiling for that row never depends on how the prompt was chunked; keys past p
   are masked), split at the same fixed point (`attend_group`), in SDPA calls whose last query tile
   is not a 1-3 row remainder (`padded_query_rows`);
-- decode attention (one new token of a sequence that is generating) always takes the same shape:
-  one query per head over exactly the sequence's keys, no mask, so it needs no padding at all.
-tests/test_engine_determinism.py checks the outcome token for token and K/V bit for bit.
+- decode rows that may vary with the batch (the throughput mode) attend in one call over a
+  padded block table (paged_attention.DecodeBatch).
+tests/test_engine_determinism.py checks the outcome token for token and K/V bit for bit, for a
+cached prefix, a cached answer read by the next turn, and a preempted request.
 
 Weight layout. Every matmul weight is stored transposed, [in, out], and applied as x @ W: a decode
 step is a chain of one-row matmuls bound by memory bandwidth, and MKL streams an [in, out] matrix

@@ -29,7 +29,7 @@ class EmbeddedEngineConfig:
     device: str = "auto"  # "cpu", "cuda", "cuda:N" or "auto" (cuda when present)
     model_name: str | None = None  # served name; default: the ModelConfig's name
     # Which requests get numbers that never depend on what else is in the batch (their prompt rows
-    # in matmuls of a multiple of 4 rows, each decode row in its own one-row matmul and attention;
+    # in matmuls of a multiple of 4 rows, each decode row run as a one-token prompt chunk;
     # see ikcode/model/llama.py): "all", "greedy" (temperature 0: the quality gate's cached ==
     # cold check, reproducible answers) or "off". Other decode rows share one matmul per weight
     # and one attention call: the weights are read once per step for all of them.

@@ -106,12 +106,12 @@ class ModelRunner:
         """The flat batch and, per scheduled sequence, the row whose logits are sampled (-1: none).
 
         Rows, in order, each part one matmul per weight:
-        1. prompt chunks, always batch-invariant (float weights, a multiple of 4 rows; llama.py), so a
-           cached prompt block holds the same K/V whichever request computed it;
+        1. prompt chunks, and batch-invariant decode rows as one-token prompt chunks (float
+           weights, a multiple of 4 rows, the prompt's attention; llama.py), so a cached block
+           holds the same K/V whichever request computed it, and whether its tokens were a
+           prompt's or generated (an answer cached for the next turn is read as a prompt);
         2. decode rows that may vary with the batch: the weights (quantized when the model is) are read
-           once for all of them, and they attend in one call over a padded block table;
-        3. each batch-invariant decode row alone (one-row matmul, attention over exactly its
-           keys)."""
+           once for all of them, and they attend in one call over a padded block table."""
         rows = _Rows(self.block_size)
         prefills = [s for s in scheduled if not s.seq.is_decoding]
         decodes = [s for s in scheduled if s.seq.is_decoding]
@@ -119,6 +119,11 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             row0 = rows.add_tokens(seq, start, start + item.num_tokens)
             rows.seqs.append(self._prompt_attention(seq.block_table, row0, start, item.num_tokens))
+        for item in decodes:
+            if self.is_invariant(item.seq):  # a one-token prompt chunk (see above)
+                seq, position = item.seq, item.seq.num_computed_tokens
+                row0 = rows.add_tokens(seq, position, position + 1)
+                rows.seqs.append(self._prompt_attention(seq.block_table, row0, position, 1))
         if rows.ids:
             rows.pad_to_multiple(4)
             rows.row_groups.append(RowGroup(0, len(rows.ids)))
@@ -126,9 +131,6 @@ class ModelRunner:
         decode = self._add_shared_decodes(rows, [s for s in decodes if not self.is_invariant(s.seq)])
         if decode is not None:
             rows.row_groups.append(RowGroup(first_shared, len(rows.ids), quantized=True))
-        for item in decodes:
-            if self.is_invariant(item.seq):
-                self._add_decode_alone(rows, item)
         batch = ForwardBatch(
             self._ids(rows.ids),
             self._ids(rows.positions),
@@ -163,15 +165,6 @@ class ModelRunner:
             torch.tensor(table, dtype=torch.long, device=self.device),
             mask.view(len(items), 1, 1, max_keys).to(self.device),
         )
-
-    def _add_decode_alone(self, rows: _Rows, item: ScheduledSeq) -> None:
-        """A one-row matmul and one query over exactly its keys: no padding, no mask."""
-        seq = item.seq
-        num_keys = seq.num_computed_tokens + 1
-        row = rows.add_tokens(seq, num_keys - 1, num_keys)
-        blocks = seq.block_table[: -(-num_keys // self.block_size)]
-        rows.seqs.append(self._seq_attention(blocks, [QueryGroup(row, 1, 1, num_keys, None)]))
-        rows.row_groups.append(RowGroup(row, row + 1))
 
     def _prompt_attention(self, table: list[int], row0: int, start: int, n: int) -> SeqAttention:
         """Rows start..start+n of a prompt, grouped by the keys they are given (visible_keys)."""

@@ -12,6 +12,7 @@ import time
 import httpx
 import pytest
 
+from ikcode.auth import OWNER
 from ikcode.gateway import GatewaySettings, create_app
 from ikcode.gateway.server import BackgroundServer
 from tests.test_gateway_support import ScriptedEngine, tiny_tokenizer, wait_idle
@@ -249,7 +250,7 @@ def test_a_token_past_its_running_requests_gets_a_429_and_others_are_served(tmp_
 
     inner._append_token = held_append_token
     inner.start()
-    tokens = {"alice": "ik-alice-0123456789", "bob": "ik-bob-0123456789"}
+    tokens = {"alice": "ik-alice-0123456789", "bob": "ik-bob-0123456789", OWNER: "ik-owner-0123456789"}
     settings = GatewaySettings(served_model=MODEL, auth_tokens=tokens, max_requests_per_user=2)
     app = create_app(inner, tiny_tokenizer(), settings)
     gw = app.state.gateway
@@ -282,13 +283,17 @@ def test_a_token_past_its_running_requests_gets_a_429_and_others_are_served(tmp_
         threads.append(threading.Thread(target=send, args=("bob",)))
         threads[-1].start()
         wait_for("bob", 1)  # bob's request runs beside alice's two
+        threads += [threading.Thread(target=send, args=(OWNER,)) for _ in range(3)]
+        for thread in threads[-3:]:
+            thread.start()
+        wait_for(OWNER, 3)  # the server's own token is not capped
     finally:
         gate.set()
         for thread in threads:
             thread.join(30)
         server.stop()
         inner.shutdown(drain_timeout_s=1)
-    assert sorted(statuses) == [("alice", 200), ("alice", 200), ("bob", 200)]
+    assert sorted(statuses) == sorted([("alice", 200), ("alice", 200), ("bob", 200)] + [(OWNER, 200)] * 3)
     assert not gw.in_flight_by_user  # every count went back to zero
 
 

@@ -12,6 +12,7 @@ import json
 import threading
 
 import anthropic
+import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -102,6 +103,8 @@ def test_two_users_never_share_cache_entries(server):
     assert list(health["users"]) == ["alice"]
     assert health["users"]["alice"]["cached_tokens"] == mine.usage.cache_read_input_tokens
     assert list(client(server, "bob").get("/health", cast_to=object)["users"]) == ["bob"]
+    metrics = httpx.get(server[0].url + "/metrics", headers={"x-api-key": TOKENS["bob"]}).text
+    assert "ikcode_requests_total" in metrics and "ikcode_user_" not in metrics
 
 
 NONCE = itertools.count()
@@ -254,6 +257,8 @@ def test_the_servers_own_token_sees_every_users_figures():
         wait_idle(engine)
         owner = anthropic.Anthropic(base_url=background.url, api_key=tokens[OWNER], max_retries=0)
         assert "alice" in owner.get("/health", cast_to=object)["users"]
+        metrics = httpx.get(background.url + "/metrics", headers={"x-api-key": tokens[OWNER]}).text
+        assert 'ikcode_user_prompt_tokens_total{user="alice"}' in metrics
     finally:
         background.stop()
         engine.shutdown(drain_timeout_s=1)

@@ -122,7 +122,8 @@ def claude_command(
         profile = load_profile(profile_ref)
     except ProfileError as err:
         # `ikcode claude -p "..."` meant claude's --print: ours is --profile.
-        hint = ' (claude\'s own arguments go after --: ikcode claude -- -p "...")'
+        unknown = str(err).startswith("unknown profile")
+        hint = ' (claude\'s own arguments go after --: ikcode claude -- -p "...")' if unknown else ""
         raise click.ClickException(f"{err}{hint}") from None
     if base_url is None and profile.engine != "upstream":
         from ikcode.cli.serve import ensure_stack

@@ -24,7 +24,7 @@ from ikcode.gateway import messages
 from ikcode.gateway.chat_format import TokenizerLike
 from ikcode.gateway.edge import EdgeMiddleware, add_model_routes, authenticate, error_response, read_model
 from ikcode.gateway.errors import APIError, error_body, invalid_request
-from ikcode.gateway.metrics import GatewayMetrics
+from ikcode.gateway.metrics import PER_USER, GatewayMetrics
 from ikcode.gateway.render import Renderer
 from ikcode.gateway.request_limits import body_limit_bytes, max_token_chars
 from ikcode.gateway.request_log import RequestLog
@@ -155,8 +155,11 @@ def create_app(
     @app.get("/metrics")
     async def metrics_route(request: Request) -> Response:
         async def handler() -> Response:
-            authenticate(gw, request)
-            return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+            user = authenticate(gw, request)
+            text = generate_latest(metrics.registry)
+            if user is not None and user != OWNER:  # as /health: other users' figures are not theirs
+                text = b"".join(line for line in text.splitlines(keepends=True) if PER_USER not in line)
+            return Response(text, media_type=CONTENT_TYPE_LATEST)
 
         return await guarded(request, handler)
 

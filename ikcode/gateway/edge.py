@@ -16,7 +16,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ikcode.auth import tokens_equal
+from ikcode.auth import OWNER, tokens_equal
 from ikcode.gateway.errors import APIError, invalid_request
 from ikcode.gateway.settings import GatewaySettings
 
@@ -181,7 +181,8 @@ def check_concurrency(
     if limit is not None and in_flight >= limit:
         raise APIError(429, f"too many concurrent requests (limit {limit})", retry_after_s=1)
     per_user = settings.max_requests_per_user
-    if per_user is not None and in_flight_by_user.get(user or "", 0) >= per_user:
+    # The server's own token is the operator's (its benches, its sessions): not capped.
+    if per_user is not None and user != OWNER and in_flight_by_user.get(user or "", 0) >= per_user:
         message = f"too many concurrent requests for this token (limit {per_user})"
         raise APIError(429, message, retry_after_s=1)
 

@@ -15,6 +15,9 @@ WARM_HIT_RATE = 0.5  # a request that found at least half its prompt cached coun
 _TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120, 300)
 _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
+# The per-user families: only the server's own token sees them (app.py, /health and /metrics).
+PER_USER = b"ikcode_user_"
+
 
 def _flatten(prefix: str, data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
@@ -100,10 +103,10 @@ class GatewayMetrics:
         self.last_compaction: dict[str, Any] = {}
         # Per user (auth token name): with salting on, each user's hit rate is their own cache's.
         self.user_prompt_tokens = Counter(
-            "ikcode_user_prompt_tokens", "prompt tokens by user", ["user"], registry=r
+            PER_USER.decode() + "prompt_tokens", "prompt tokens by user", ["user"], registry=r
         )
         self.user_cached_tokens = Counter(
-            "ikcode_user_cached_tokens", "prompt tokens served from cache by user", ["user"], registry=r
+            PER_USER.decode() + "cached_tokens", "prompt tokens from cache by user", ["user"], registry=r
         )
         r.register(_LiveCollector(engine, extra))
 

@@ -164,8 +164,9 @@ def create_upstream_app(
                         parsed = None  # the upstream answers malformed JSON in its own words
                     if isinstance(parsed, dict):
                         # The body goes on as it is, but what its reply may cost is the front's to bound.
-                        if type(parsed.get("max_tokens")) is int:
-                            check_max_tokens(up, parsed["max_tokens"])
+                        max_tokens = parsed.get("max_tokens")
+                        if isinstance(max_tokens, int | float) and not isinstance(max_tokens, bool):
+                            check_max_tokens(up, max_tokens)  # a non-number is the upstream's to refuse
                         await _admit(up, request, parsed, record)
                     answer = await anthropic_proxy.forward_messages(up, request, raw, record, arrived, parsed)
                 else:

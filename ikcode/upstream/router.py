@@ -48,12 +48,13 @@ def shown_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, "", ""))
 
 
-_CREDENTIALS = re.compile(r"(\w+://)[^/@\s'\"]+@")
+_URL = re.compile(r"\w+://[^\s'\"]+")
 
 
 def without_credentials(text: str) -> str:
-    """text (an error message naming a URL) with every URL's user and password taken out."""
-    return _CREDENTIALS.sub(r"\1", text)
+    """text (an error message naming a URL) with every URL shown as shown_url shows it: no user,
+    password or query."""
+    return _URL.sub(lambda match: shown_url(match.group(0)), text)
 
 
 class NoReplica(Exception):

@@ -79,6 +79,7 @@ def test_create_and_stream_with_cache_reported_by_upstream(front, front_dir, rep
     assert upstream_seen["session_id"] == "sess-anthropic-1" and upstream_seen["user"] == "front"
     health = httpx.get(front.url + "/health", headers={"x-api-key": FRONT_TOKEN}).json()
     assert health["engine"] == "upstream" and health["hit_rate_source"] == "reported_by_upstream"
+    assert health["requests"] >= 2 and health["errors"] == 0  # answered vs the server's errors
     assert health["cached_tokens_reported_by_upstream"] >= warm["cached_tokens"]
 
 
@@ -109,6 +110,8 @@ def test_max_tokens_over_the_fronts_limit_is_refused_before_forwarding(front, re
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "invalid_request_error"
     assert "max_tokens: 100000 > 256" in answer.json()["error"]["message"]  # the front's limit
     assert len(replica.records()) == seen  # the replica never saw it
+    health = httpx.get(front.url + "/health", headers={"x-api-key": FRONT_TOKEN}).json()
+    assert health["refused"] >= 1  # `ikcode status` counts it apart from the server's errors
 
 
 def test_health_tells_strangers_only_the_status_and_never_shows_credentials(tmp_path):

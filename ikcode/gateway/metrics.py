@@ -19,6 +19,19 @@ _WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300)
 PER_USER = b"ikcode_user_"
 
 
+def request_outcomes(requests: Counter) -> dict[str, int]:
+    """/v1/messages requests by outcome, from a Counter labelled (route, status): answered
+    (`requests`, 2xx), `errors` (the server's: 5xx, 529 overloaded) and `refused` (4xx: the
+    request's own fault, or its client left), for /health and `ikcode status`."""
+    out = {"requests": 0.0, "errors": 0.0, "refused": 0.0}
+    for metric in requests.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_total") and sample.labels.get("route") == "/v1/messages":
+                kind = sample.labels.get("status", "")[:1]
+                out["requests" if kind == "2" else "refused" if kind == "4" else "errors"] += sample.value
+    return {key: int(value) for key, value in out.items()}
+
+
 def _flatten(prefix: str, data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         return {prefix: data}
@@ -116,21 +129,8 @@ class GatewayMetrics:
         prompt = get("ikcode_prompt_tokens_total") or 0.0
         device = get("ikcode_cached_tokens_total", {"tier": "device"}) or 0.0
         host = get("ikcode_cached_tokens_total", {"tier": "host"}) or 0.0
-        answered = errors = refused = 0.0
-        for metric in self.requests.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total") and sample.labels.get("route") == "/v1/messages":
-                    status = sample.labels.get("status", "")
-                    if status.startswith("2"):
-                        answered += sample.value
-                    elif status.startswith("4"):  # the request's own fault (or its client left)
-                        refused += sample.value
-                    else:  # the server's: 5xx, 529 overloaded
-                        errors += sample.value
         return {
-            "requests": int(answered),
-            "errors": int(errors),
-            "refused": int(refused),
+            **request_outcomes(self.requests),
             "prompt_tokens": int(prompt),
             "cached_tokens_device": int(device),
             "cached_tokens_host": int(host),

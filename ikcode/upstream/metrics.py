@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ikcode.gateway.metrics import WARM_HIT_RATE
+from ikcode.gateway.metrics import WARM_HIT_RATE, request_outcomes
 
 MEASURED = "measured_by_ikcode"
 REPORTED = "reported_by_upstream"
@@ -83,14 +83,8 @@ class UpstreamMetrics:
         get = self.registry.get_sample_value
         prompt = get("ikcode_upstream_prompt_tokens_total") or 0.0
         cached = get("ikcode_upstream_cached_tokens_total") or 0.0
-        answered = sum(
-            s.value
-            for m in self.requests.collect()
-            for s in m.samples
-            if s.name.endswith("_total") and s.labels.get("route") == "/v1/messages"
-        )
         return {
-            "requests": int(answered),
+            **request_outcomes(self.requests),
             "prompt_tokens": int(prompt),
             "cached_tokens_reported_by_upstream": int(cached),
             "answers_without_cache_report": int(get("ikcode_upstream_cache_unreported_total") or 0),

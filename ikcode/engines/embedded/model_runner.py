@@ -115,15 +115,11 @@ class ModelRunner:
         rows = _Rows(self.block_size)
         prefills = [s for s in scheduled if not s.seq.is_decoding]
         decodes = [s for s in scheduled if s.seq.is_decoding]
-        for item in prefills:
+        invariant = [s for s in decodes if self.is_invariant(s.seq)]  # one-token chunks (above)
+        for item in prefills + invariant:
             seq, start = item.seq, item.seq.num_computed_tokens
             row0 = rows.add_tokens(seq, start, start + item.num_tokens)
             rows.seqs.append(self._prompt_attention(seq.block_table, row0, start, item.num_tokens))
-        for item in decodes:
-            if self.is_invariant(item.seq):  # a one-token prompt chunk (see above)
-                seq, position = item.seq, item.seq.num_computed_tokens
-                row0 = rows.add_tokens(seq, position, position + 1)
-                rows.seqs.append(self._prompt_attention(seq.block_table, row0, position, 1))
         if rows.ids:
             rows.pad_to_multiple(4)
             rows.row_groups.append(RowGroup(0, len(rows.ids)))

@@ -97,6 +97,13 @@ def _oversized(where: str, big: str) -> tuple[dict, str]:
     tool = {"name": "Read", "description": "read a file", "input_schema": {"type": "object"}}
     if where == "tool description":
         return message(tools=[{**tool, "description": big}]), "/v1/messages"
+    if where == "tool parameter description":
+        schema = {"type": "object", "properties": {"path": {"type": "string", "description": big}}}
+        return message(tools=[{**tool, "input_schema": schema}]), "/v1/messages"
+    if where == "tool parameter names":
+        names = {f"{n:x}".rjust(64, "p"): {"type": "string"} for n in range(len(big) // 64 + 1)}
+        schema = {"type": "object", "properties": names}
+        return message(tools=[{**tool, "input_schema": schema}]), "/v1/messages"
     if where == "tool call arguments":
         call = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": big}}
         result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "ok"}
@@ -113,7 +120,17 @@ def _oversized(where: str, big: str) -> tuple[dict, str]:
     return body, "/v1/messages"
 
 
-@pytest.mark.parametrize("where", ["message text", "tool description", "tool call arguments", "count_tokens"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "message text",
+        "tool description",
+        "tool parameter description",
+        "tool parameter names",
+        "tool call arguments",
+        "count_tokens",
+    ],
+)
 def test_a_prompt_over_the_character_bound_is_refused_before_tokenizing(served, where):
     server, engine, gw, _ = served
     renders = []

@@ -77,13 +77,26 @@ def _text_chars(content: Any) -> int:
 
 
 def _tool_chars(tools: list[Any] | None) -> int:
-    """Characters of the descriptions of the tools the prompt lists (every tool format writes a
-    callable tool's description; deferred ones stay out until loaded)."""
+    """Characters every tool format writes for the tools the prompt lists (deferred ones stay out
+    until loaded): a callable tool's name and description, and each parameter's name and
+    description. The JSON formats write the whole schema; harmony and qwen3_coder only these of
+    it, so counting more could refuse a prompt that fits."""
     return sum(
-        len((tool.description or "").strip())
+        len(tool.name) + len((tool.description or "").strip()) + _parameter_chars(tool.input_schema)
         for tool in tools or ()
         if tool.input_schema is not None and not tool.defer_loading
     )
+
+
+def _parameter_chars(schema: dict[str, Any]) -> int:
+    properties = schema.get("properties")
+    if not isinstance(properties, dict):
+        return 0
+    total = 0
+    for name, spec in properties.items():
+        description = spec.get("description") if isinstance(spec, dict) else None
+        total += len(str(name)) + (len(description.strip()) if isinstance(description, str) else 0)
+    return total
 
 
 def prompt_chars(body: MessagesRequest | CountTokensRequest) -> int:

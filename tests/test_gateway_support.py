@@ -117,14 +117,21 @@ def wait_idle(engine: EmbeddedEngine, timeout_s: float = 10.0) -> None:
 
 def hang_up_before_the_first_chunk(app: Any, body: dict, api_key: str, path: str = "/v1/messages") -> None:
     """POST `body` to the ASGI `app` from a client that is gone before the stream's first chunk:
-    Starlette cancels the response before its body generator starts."""
+    it hangs up as the response starts, and Starlette cancels the response before its body
+    generator starts."""
     raw = json.dumps(body).encode()
     incoming = [{"type": "http.request", "body": raw, "more_body": False}]
+    response_started = asyncio.Event()
 
     async def receive() -> dict:
-        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+        if incoming:
+            return incoming.pop(0)
+        await response_started.wait()
+        return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            response_started.set()
         await asyncio.sleep(0.05)  # a slow socket: the hang-up is seen before the first chunk
 
     headers = [(b"content-type", b"application/json"), (b"x-api-key", api_key.encode())]

@@ -65,6 +65,7 @@ def front_app(tmp_path: Path, kind: str, urls: list[str], token: str | None = UP
         auth_tokens={"alice": FRONT_TOKEN},
         request_log_path=tmp_path / "front-requests.jsonl",
         ping_interval_s=0.2,
+        **config.pop("settings", {}),
     )
     upstream = UpstreamConfig(kind=kind, urls=urls, token=token, **config)
     return create_upstream_app(upstream, settings)

@@ -7,8 +7,9 @@ and `context_window`: the gateway's `Gateway` and the upstream's `Upstream` both
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -97,6 +98,32 @@ async def read_body(request: Request, limit: int, too_large: Callable[[], APIErr
     except ClientDisconnect:
         raise APIError(CLIENT_CLOSED, "the client disconnected while sending its request") from None
     return b"".join(chunks)
+
+
+async def client_disconnected(request: Request) -> None:
+    """Returns when the client hangs up. Only once its body has been read: the next message the
+    server receives is then the disconnect. Starlette watches for it on streamed answers only."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+T = TypeVar("T")
+
+
+async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
+    """work's result; APIError(499) as soon as the client hangs up first, with work cancelled (an
+    upstream read closed, a queue place given back) instead of finished for nobody."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(client_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise APIError(CLIENT_CLOSED, "client disconnected")
+    finally:
+        for pending in (task, gone):
+            pending.cancel()
+        await asyncio.gather(task, gone, return_exceptions=True)
 
 
 async def read_model(gw: EdgeState, request: Request, model: type[BaseModel]) -> Any:

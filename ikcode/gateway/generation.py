@@ -26,6 +26,7 @@ from ikcode.engines.base import (
     RequestStream,
     TokenEvent,
 )
+from ikcode.gateway.edge import client_disconnected
 from ikcode.gateway.errors import APIError, from_engine_error
 from ikcode.gateway.metrics import WARM_HIT_RATE
 from ikcode.gateway.render import RenderedPrompt
@@ -184,7 +185,7 @@ class Generation:
     async def collect(self, request: Request) -> Response:
         # Watch the connection while the answer is being made: a client that hangs up must stop
         # the engine's work now, not when the reply is done (close() aborts an unfinished one).
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(client_disconnected(request))
         try:
             while not self.finished:
                 event = await self.reader.next(self.gw.settings.ping_interval_s, interrupt=gone)
@@ -259,12 +260,6 @@ class Generation:
             record["output_token_ids"] = self.builder.generated_ids
             record["output"] = self.builder.content
         self.gw.log.write(record)
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client hangs up (the body has been read: the next message says so)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -16,15 +16,15 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from ikcode.gateway.errors import error_body
+from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.sse import STREAM_HEADERS, ClosingStreamingResponse, sse_event
 
 from .forward import (
     SSEScanner,
     StreamEnd,
-    aclose_quietly,
     open_stream,
     prefix_key,
+    read_answer,
     response_headers,
     upstream_headers,
 )
@@ -90,16 +90,18 @@ async def forward_messages(
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     headers = upstream_headers(up, request.headers, anthropic=True)
     replica, response, attempts = await open_stream(
-        up, path, content, headers, record.get("session_id"), prefix_key(body)
+        up, request, path, content, headers, record.get("session_id"), prefix_key(body)
     )
     record.update(replica=replica.name, attempts=attempts, status=response.status_code)
     tap = _Tap()
     if response.status_code != 200 or not body.get("stream"):
         try:
-            data = await response.aread()
-        finally:
-            await aclose_quietly(response)
-            up.router.release(replica)
+            data = await read_answer(up, request, replica, response)
+        except APIError as error:  # the client left, or the replica went silent
+            record["status"] = error.status
+            tap.error = error.message
+            _finish(up, record, tap, arrived)
+            raise
         if response.status_code == 200:
             try:
                 answer = json.loads(data)
@@ -167,11 +169,7 @@ async def forward_count_tokens(up: Upstream, request: Request, raw: bytes) -> Re
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     headers = upstream_headers(up, request.headers, anthropic=True)
     replica, response, _ = await open_stream(
-        up, path, content, headers, request.headers.get("x-claude-code-session-id"), prefix_key(body)
+        up, request, path, content, headers, request.headers.get("x-claude-code-session-id"), prefix_key(body)
     )
-    try:
-        data = await response.aread()
-    finally:
-        await aclose_quietly(response)
-        up.router.release(replica)
+    data = await read_answer(up, request, replica, response)
     return Response(data, status_code=response.status_code, headers=response_headers(response))

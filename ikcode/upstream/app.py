@@ -35,6 +35,7 @@ from ikcode.gateway.edge import (
     error_response,
     read_body,
     read_model,
+    unless_client_leaves,
 )
 from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.messages import new_message_id
@@ -74,8 +75,12 @@ async def _admit(up: Upstream, request: Request, body: dict[str, Any], record: d
     messages = body["messages"]
     queued = time.monotonic()
     try:
-        ticket = await up.admission.enter(
-            record["request_id"], replica.url, session, messages, int(length) if length.isdigit() else 0
+        # A client that hangs up while queued gives its place back now (enter's cancellation).
+        ticket = await unless_client_leaves(
+            request,
+            up.admission.enter(
+                record["request_id"], replica.url, session, messages, int(length) if length.isdigit() else 0
+            ),
         )
     except EngineOverloaded as error:
         record["admission_class"] = "cold"
@@ -197,12 +202,18 @@ def create_upstream_app(
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request) -> Response:
         async def handler() -> Response:
-            authenticate(up, request)
-            if config.kind == "anthropic":
-                return await anthropic_proxy.forward_count_tokens(up, request, await _read_raw(up, request))
-            body = await read_model(up, request, CountTokensRequest)
-            check_model(up, body.model)
-            return await openai_proxy.count_tokens(up, request, body)
+            user = authenticate(up, request)
+            # Upstream work (kind openai: a prefill and one token), under the same per-user cap.
+            up.stream_started(user)
+            try:
+                if config.kind == "anthropic":
+                    raw = await _read_raw(up, request)
+                    return await anthropic_proxy.forward_count_tokens(up, request, raw)
+                body = await read_model(up, request, CountTokensRequest)
+                check_model(up, body.model)
+                return await openai_proxy.count_tokens(up, request, body)
+            finally:
+                up.stream_ended(user)
 
         return await guarded(request, handler)
 

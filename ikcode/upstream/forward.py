@@ -10,6 +10,10 @@ from typing import Any
 
 import anyio
 import httpx
+from fastapi import Request
+
+from ikcode.gateway.edge import unless_client_leaves
+from ikcode.gateway.errors import APIError
 
 from .router import NoReplica, Replica, without_credentials
 from .state import Upstream
@@ -65,18 +69,26 @@ def prefix_key(body: dict[str, Any]) -> str:
 
 
 async def open_stream(
-    up: Upstream, path: str, content: bytes, headers: dict[str, str], session_id: str | None, key: str
+    up: Upstream,
+    client: Request,
+    path: str,
+    content: bytes,
+    headers: dict[str, str],
+    session_id: str | None,
+    key: str,
 ) -> tuple[Replica, httpx.Response, int]:
     """The first replica that answers (headers received), its response (not yet read) and the
-    number of attempts; NoReplica when none does."""
+    number of attempts; NoReplica when none does. A server sends a whole answer's headers only
+    with the answer: a client that hangs up meanwhile is a 499 and the replica's request is closed
+    (`unless_client_leaves`)."""
     tried: set[str] = set()
     attempts = 0
     while attempts <= up.config.retries + len(up.router.replicas):
         replica = up.router.pick(session_id, key, tried)
         attempts += 1
-        request = up.http().build_request("POST", replica.url + path, content=content, headers=headers)
+        outgoing = up.http().build_request("POST", replica.url + path, content=content, headers=headers)
         try:
-            response = await up.http().send(request, stream=True)
+            response = await unless_client_leaves(client, up.http().send(outgoing, stream=True))
             return replica, response, attempts
         except (httpx.ConnectError, httpx.ConnectTimeout) as err:
             up.router.release(replica)
@@ -85,6 +97,9 @@ async def open_stream(
                 "replica %s (%s) is down: %s; retrying elsewhere",
                 replica.name, replica.shown_url, without_credentials(str(err)),
             )  # fmt: skip
+        except httpx.TimeoutException:
+            up.router.release(replica)
+            raise timed_out(up) from None
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
             # Closed before answering (a stale keep-alive connection or a dying server): retry
             # elsewhere now; the health check decides whether the replica is gone.
@@ -99,6 +114,24 @@ async def open_stream(
         if len(tried) >= len(up.router.replicas):
             break
     raise NoReplica("every upstream replica failed to answer")
+
+
+def timed_out(up: Upstream) -> APIError:
+    """What the client gets when the replica stays silent past the read timeout (retryable)."""
+    return APIError(504, f"the upstream server did not answer within {up.config.read_timeout_s:g} s")
+
+
+async def read_answer(up: Upstream, request: Request, replica: Replica, response: httpx.Response) -> bytes:
+    """A whole (non-streamed) answer. APIError 499 when the client hangs up first: the upstream
+    connection is closed then, which stops the replica's work, instead of read to the end for
+    nobody; 504 when the replica stays silent past the read timeout."""
+    try:
+        return await unless_client_leaves(request, response.aread())
+    except httpx.TimeoutException:
+        raise timed_out(up) from None
+    finally:
+        await aclose_quietly(response)
+        up.router.release(replica)
 
 
 class SSEScanner:

@@ -11,18 +11,17 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ikcode.gateway.errors import error_body
+from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.sse import PING, STREAM_HEADERS, ClosingStreamingResponse, sse_event
 
-from .forward import StreamEnd, aclose_quietly, open_stream, prefix_key, response_headers, upstream_headers
+from .forward import StreamEnd, open_stream, prefix_key, read_answer, response_headers, upstream_headers
 from .metrics import finish_record
 from .openai_request import to_chat_request
 from .openai_response import UpstreamUsage, to_anthropic_error, to_message
 from .openai_stream import StreamTranslator
 from .pings import with_pings
-from .router import Replica
 from .state import Upstream
 
 CHAT_PATH = "/chat/completions"
@@ -34,19 +33,11 @@ async def _send(up: Upstream, request: Request, data: dict[str, Any], record: di
     headers = upstream_headers(up, request.headers, anthropic=False)
     session = request.headers.get("x-claude-code-session-id")
     replica, response, attempts = await open_stream(
-        up, CHAT_PATH, content, headers, session, prefix_key(data)
+        up, request, CHAT_PATH, content, headers, session, prefix_key(data)
     )
     if record is not None:
         record.update(replica=replica.name, attempts=attempts, status=response.status_code)
     return replica, response
-
-
-async def _read_all(up: Upstream, replica: Replica, response: httpx.Response) -> bytes:
-    try:
-        return await response.aread()
-    finally:
-        await aclose_quietly(response)
-        up.router.release(replica)
 
 
 def _error_response(response: httpx.Response, raw: bytes) -> JSONResponse:
@@ -68,14 +59,19 @@ async def forward_messages(
     replica, response = await _send(up, request, data, record)
     message_id = new_message_id()
     stops = body.stop_sequences or []
+    if response.status_code != 200 or not body.stream:
+        try:
+            raw = await read_answer(up, request, replica, response)
+        except APIError as error:  # the client left, or the replica went silent
+            record["status"] = error.status
+            _finish(up, record, UpstreamUsage(), None, None, arrived, error.message)
+            raise
     if response.status_code != 200:
-        raw = await _read_all(up, replica, response)
         reply = _error_response(response, raw)
         record["status"] = reply.status_code
         _finish(up, record, UpstreamUsage(), None, None, arrived, raw[:500].decode("utf-8", "replace"))
         return reply
     if not body.stream:
-        raw = await _read_all(up, replica, response)
         message, usage = to_message(json.loads(raw), message_id, body.model, stops)
         _finish(up, record, usage, time.monotonic(), message["stop_reason"], arrived, None)
         return JSONResponse(message)
@@ -179,7 +175,7 @@ async def count_tokens(up: Upstream, request: Request, body: CountTokensRequest)
     data = body.model_dump(exclude_none=True)
     data.update(max_tokens=1, stream=False)
     replica, response = await _send(up, request, data, None)
-    raw = await _read_all(up, replica, response)
+    raw = await read_answer(up, request, replica, response)
     if response.status_code != 200:
         return _error_response(response, raw)
     return JSONResponse(

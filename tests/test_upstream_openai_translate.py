@@ -156,3 +156,27 @@ def test_call_only_assistant_turn_has_string_content():
     )
     assistant = chat["messages"][1]
     assert assistant["content"] == "" and assistant["tool_calls"][0]["id"] == "t1"
+
+
+def test_the_matched_stop_string_as_vllm_and_sglang_name_it():
+    # vLLM: choice["stop_reason"]; SGLang: choice["matched_stop"] (its protocol.py choice models).
+    for field in ("stop_reason", "matched_stop"):
+        choice = {"finish_reason": "stop", "message": {"content": "done"}, field: "END"}
+        message, _ = to_message({"choices": [choice]}, "msg_1", "m", ["END"])
+        assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "END"), field
+        tr = StreamTranslator("msg_1", "m", ["END"])
+        chunks = [
+            {"choices": [{"delta": {"content": "done"}}]},
+            {"choices": [{"delta": {}, "finish_reason": "stop", field: "END"}]},
+        ]
+        out = [tr.start()] + [e for c in chunks for e in tr.feed(c)] + list(tr.finish())
+        delta = json.loads(out[-2].split(b"data: ")[1])["delta"]
+        assert (delta["stop_reason"], delta["stop_sequence"]) == ("stop_sequence", "END"), field
+
+
+def test_a_tool_call_cut_by_the_output_limit_is_max_tokens():
+    # Its arguments are unfinished: tool_use would have the client run a call it never got whole.
+    call = {"id": "c1", "function": {"name": "Read", "arguments": '{"file_pa'}}
+    choice = {"finish_reason": "length", "message": {"content": "", "tool_calls": [call]}}
+    message, _ = to_message({"choices": [choice]}, "msg_1", "m", [])
+    assert message["stop_reason"] == "max_tokens"

@@ -63,13 +63,22 @@ def parse_arguments(arguments: str | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
+def matched_stop(choice: dict[str, Any]) -> Any:
+    """The stop string (or token id) that ended a choice: vLLM names it `stop_reason`, SGLang
+    `matched_stop` (python/sglang/srt/entrypoints/openai/protocol.py, the choice models)."""
+    named = choice.get("stop_reason")
+    return named if named is not None else choice.get("matched_stop")
+
+
 def stop_reason(
-    finish_reason: str | None, matched_stop: Any, stops: list[str], has_tools: bool
+    finish_reason: str | None, matched: Any, stops: list[str], has_tools: bool
 ) -> tuple[str, str | None]:
+    if finish_reason == "length":
+        return "max_tokens", None  # a tool call cut by the limit has unfinished arguments
     if has_tools:
         return "tool_use", None
-    if finish_reason == "stop" and isinstance(matched_stop, str) and matched_stop in stops:
-        return "stop_sequence", matched_stop  # vLLM and SGLang say which stop string matched
+    if finish_reason == "stop" and isinstance(matched, str) and matched in stops:
+        return "stop_sequence", matched
     return FINISH_TO_STOP.get(finish_reason or "stop", "end_turn"), None
 
 
@@ -92,7 +101,7 @@ def to_message(
                 "input": parse_arguments(function.get("arguments")),
             }
         )
-    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), stops, bool(calls))
+    reason, sequence = stop_reason(choice.get("finish_reason"), matched_stop(choice), stops, bool(calls))
     usage = UpstreamUsage.from_openai(completion.get("usage"), completion.get("timings"))
     body = {
         "id": message_id,

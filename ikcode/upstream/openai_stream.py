@@ -15,7 +15,7 @@ from typing import Any
 
 from ikcode.gateway.sse import sse_event
 
-from .openai_response import UpstreamUsage, new_tool_id, stop_reason
+from .openai_response import UpstreamUsage, matched_stop, new_tool_id, stop_reason
 
 
 class StreamTranslator:
@@ -82,7 +82,7 @@ class StreamTranslator:
                 yield from self._tool_delta(call)
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
-                self.matched_stop = choice.get("stop_reason")
+                self.matched_stop = matched_stop(choice)
 
     def _tool_delta(self, call: dict[str, Any]) -> Iterator[bytes]:
         self.saw_tools = True

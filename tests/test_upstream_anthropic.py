@@ -246,3 +246,13 @@ def test_a_token_past_its_running_requests_gets_a_429_at_the_front(replica, tmp_
     finally:
         gate.set()
         srv.stop()
+
+
+def test_several_users_on_an_anthropic_upstream_share_its_cache_only_when_told(tmp_path):
+    # The Messages API has no cache salt: with several users the front refuses to start unless
+    # the profile says the upstream's cache is theirs to share.
+    users = {"alice": FRONT_TOKEN, "bob": "bob-token"}
+    with pytest.raises(ValueError, match="salt_per_user = false"):
+        front_app(tmp_path, "anthropic", ["http://127.0.0.1:9"], settings={"auth_tokens": users})
+    shared = {"auth_tokens": users, "cache_salt_per_user": False}
+    assert front_app(tmp_path, "anthropic", ["http://127.0.0.1:9"], settings=shared) is not None

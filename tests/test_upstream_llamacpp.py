@@ -19,7 +19,8 @@ import anthropic
 import httpx
 import pytest
 
-from tests.test_upstream_support import FRONT_TOKEN, front_records, front_server
+from ikcode.gateway import BackgroundServer
+from tests.test_upstream_support import FRONT_TOKEN, front_app, front_records, front_server
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.slow, pytest.mark.model]
 # Where llama-cpp-python cannot run here, skip, saying why. The check runs in a child process:
@@ -213,3 +214,32 @@ def test_a_stream_the_server_cuts_short_is_a_retryable_error(sdk):
                 other[0].start()
     other[0].join(60)
     assert info.value.body["error"]["type"] == "overloaded_error"
+
+
+def test_each_user_has_a_cache_salt_of_their_own(llama_server, tmp_path):
+    """With several users the front sends each one's cache namespace as `cache_salt` (vLLM keys
+    its prefix cache by it); llama.cpp, which does not know the field, still answers."""
+    users = {"alice": FRONT_TOKEN, "bob": "bob-token"}
+    app = front_app(
+        tmp_path, "openai", [llama_server], token=None, served_model="smollm2", context_window=4096,
+        model="smollm2", settings={"auth_tokens": users},
+    )  # fmt: skip
+    sent: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    app.state.upstream.client = httpx.AsyncClient(timeout=120, event_hooks={"request": [record]})
+    srv = BackgroundServer(app).start()
+    try:
+        body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        for token in users.values():
+            answer = httpx.post(
+                srv.url + "/v1/messages", json=body, headers={"x-api-key": token}, timeout=120
+            )
+            assert answer.status_code == 200, answer.text
+        salts = [chat.get("cache_salt") for chat in sent]
+        assert len(salts) == 2 and all(salts) and salts[0] != salts[1]
+        assert not any(name in salt for salt in salts for name in users)  # no user name upstream
+    finally:
+        srv.stop()

@@ -58,15 +58,15 @@ def front_server(tmp_path: Path, kind: str, urls: list[str], token: str | None =
 
 
 def front_app(tmp_path: Path, kind: str, urls: list[str], token: str | None = UPSTREAM_TOKEN, **config):
-    settings = GatewaySettings(
+    values = dict(
         served_model=config.pop("served_model", "tiny"),
         context_window=config.pop("context_window", 2048),
         max_output_tokens=256,
         auth_tokens={"alice": FRONT_TOKEN},
         request_log_path=tmp_path / "front-requests.jsonl",
         ping_interval_s=0.2,
-        **config.pop("settings", {}),
     )
+    settings = GatewaySettings(**(values | config.pop("settings", {})))
     upstream = UpstreamConfig(kind=kind, urls=urls, token=token, **config)
     return create_upstream_app(upstream, settings)
 

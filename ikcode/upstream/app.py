@@ -97,6 +97,15 @@ def create_upstream_app(
     settings.validate()
     if not settings.context_window:
         raise ValueError("the upstream front needs settings.context_window (the profile's)")
+    if config.kind == "anthropic" and settings.salts_per_user:
+        # The Messages API has no cache salt: every user's prompts would share the upstream's cache
+        # (and its cache_read_input_tokens would tell one user what another sent). Sharing is the
+        # operator's explicit choice, never a default.
+        raise ValueError(
+            "an Anthropic-compatible upstream cannot keep users' caches apart (the Messages API has "
+            "no cache salt): set salt_per_user = false under [cache] to share the upstream's cache "
+            "among this front's users, or give each user a front of their own"
+        )
     router = Router(config.urls, config.max_in_flight)
     up = Upstream(
         config,
@@ -211,7 +220,7 @@ def create_upstream_app(
                     return await anthropic_proxy.forward_count_tokens(up, request, raw)
                 body = await read_model(up, request, CountTokensRequest)
                 check_model(up, body.model)
-                return await openai_proxy.count_tokens(up, request, body)
+                return await openai_proxy.count_tokens(up, request, body, user)
             finally:
                 up.stream_ended(user)
 

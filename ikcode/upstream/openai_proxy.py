@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -27,8 +28,19 @@ from .state import Upstream
 CHAT_PATH = "/chat/completions"
 
 
-async def _send(up: Upstream, request: Request, data: dict[str, Any], record: dict[str, Any] | None):
+def cache_salt(user: str | None) -> str:
+    """The user's cache namespace upstream, as `cache_salt`: vLLM keys its prefix cache by it
+    ("to prevent an attacker to guess prompts in multi-user environments", its chat request's
+    field), and servers that do not know the field ignore it. A digest, so no user name travels."""
+    return hashlib.blake2b(f"ikcode-user:{user or ''}".encode(), digest_size=16).hexdigest()
+
+
+async def _send(
+    up: Upstream, request: Request, data: dict[str, Any], record: dict[str, Any] | None, user: str | None
+):
     chat = to_chat_request(data, up.config.model or up.settings.served_model)
+    if up.settings.salts_per_user:
+        chat["cache_salt"] = cache_salt(user)
     content = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
     headers = upstream_headers(up, request.headers, anthropic=False)
     session = request.headers.get("x-claude-code-session-id")
@@ -56,7 +68,7 @@ async def forward_messages(
     data: dict[str, Any] | None = None,
 ) -> Response:
     data = body.model_dump(exclude_none=True) if data is None else data
-    replica, response = await _send(up, request, data, record)
+    replica, response = await _send(up, request, data, record, record.get("user"))
     message_id = new_message_id()
     stops = body.stop_sequences or []
     if response.status_code != 200 or not body.stream:
@@ -170,11 +182,13 @@ def _finish(
     up.log.write(record)
 
 
-async def count_tokens(up: Upstream, request: Request, body: CountTokensRequest) -> Response:
+async def count_tokens(
+    up: Upstream, request: Request, body: CountTokensRequest, user: str | None
+) -> Response:
     """Chat completions have no token count: ask for one token and read `prompt_tokens`."""
     data = body.model_dump(exclude_none=True)
     data.update(max_tokens=1, stream=False)
-    replica, response = await _send(up, request, data, None)
+    replica, response = await _send(up, request, data, None, user)
     raw = await read_answer(up, request, replica, response)
     if response.status_code != 200:
         return _error_response(response, raw)

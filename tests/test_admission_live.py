@@ -191,3 +191,27 @@ def test_memory_gate_counts_the_whole_prompt_a_cache_hit_takes_from_the_pool():
         assert [t.request_id for t in admitted] == ["warm"]
     finally:
         engine.shutdown(5)
+
+
+def test_memory_gate_counts_tickets_handed_to_the_engine_in_an_earlier_round():
+    # A request handed to the engine holds no blocks until the engine's next step allocates them,
+    # so the engine's load does not show it: a gate that read only the load let the next round
+    # hand over a prompt that then waited inside the engine, first come first served, where no
+    # warm turn can pass it. The engine is not started here: nothing allocates until it steps.
+    engine = tiny_engine(kv_memory_bytes=(3 << 20) // 2, max_prefill_tokens_per_step=256, start=False)
+    config = AdmissionConfig(policy="ikcode", max_cold_prefills=4, shed=False)
+    controller = AdmissionController(engine, config)
+    try:
+        assert engine.num_blocks * engine.info.block_size == 3072
+        controller.submit(_request("a", _prompt(41, 1800), "sa"))  # 113 of the pool's 192 blocks
+        [(ticket, stream)] = controller._admit_round()
+        controller._start(ticket, stream)
+        assert controller._unallocated == {"a": (0, 113)}
+        controller.submit(_request("b", _prompt(42, 1800), "sb"))
+        assert controller._admit_round() == []
+        engine.step()  # a allocates: the engine's load shows it from now on, the promise ends
+        assert controller._unallocated == {} and engine.load().kv_blocks_used == 113
+        assert controller._admit_round() == []
+    finally:
+        controller.shutdown(5)
+        engine.shutdown(5)

@@ -57,6 +57,11 @@ class AdmissionController:
         # engine does not know the id yet, so it is noted here and sent once the submit is done.
         self._starting: set[str] = set()
         self._abort_on_start: set[str] = set()
+        # Handed to the engine, blocks not allocated there yet (no ADMITTED event): its load does
+        # not show them, so every later round's gate counts them (request id -> rank, blocks).
+        # Without this a burst passed the gate round after round and queued inside the engine,
+        # first come first served, where a warm turn then waited behind cold prompts.
+        self._unallocated: dict[str, tuple[int, int]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         engine.add_listener(self._on_lifecycle)
@@ -156,22 +161,38 @@ class AdmissionController:
     # ---- internals ---------------------------------------------------------------------------
     def _gate(self) -> RankGate:
         """The gate for one admission round: each ticket's rank and whether its memory takes it."""
-        return RankGate(self.engine, self.policy.config.memory_gate)
+        promised: dict[int, int] = {}
+        for rank, blocks in self._unallocated.values():
+            promised[rank] = promised.get(rank, 0) + blocks
+        return RankGate(self.engine, self.policy.config.memory_gate, promised)
+
+    def _allocated(self, request_id: str) -> None:
+        """The engine allocated request_id's blocks, or never will (call under the lock)."""
+        if self._unallocated.pop(request_id, None) is not None:
+            self._cv.notify_all()
 
     def _dispatch_loop(self) -> None:
         while True:
             with self._cv:
                 if self._stopping:
                     return
-                admitted = self.policy.admit(self.clock(), self._gate())
-                if not admitted:
+                handed = self._admit_round()
+                if not handed:
                     # Re-check now and then: aging and memory change without a notification.
                     self._cv.wait(timeout=0.05)
                     continue
-                streams = [self._streams.pop(t.request_id, None) for t in admitted]
-                self._starting.update(t.request_id for t in admitted)
-            for ticket, stream in zip(admitted, streams, strict=True):
+            for ticket, stream in handed:
                 self._start(ticket, stream)
+
+    def _admit_round(self) -> list[tuple[Ticket, RequestStream | None]]:
+        """One admission round (under the lock): the tickets admitted, each with its caller's
+        stream, counted as starting and as unallocated until the engine says otherwise."""
+        gate = self._gate()
+        admitted = self.policy.admit(self.clock(), gate)
+        for ticket in admitted:
+            self._starting.add(ticket.request_id)
+            self._unallocated[ticket.request_id] = (ticket.rank, gate.blocks_for(ticket))
+        return [(ticket, self._streams.pop(ticket.request_id, None)) for ticket in admitted]
 
     def _start(self, ticket: Ticket, outer: RequestStream | None) -> None:
         request_id = ticket.request_id
@@ -183,6 +204,7 @@ class AdmissionController:
             with self._cv:
                 self._starting.discard(request_id)
                 self._abort_on_start.discard(request_id)
+                self._allocated(request_id)
                 self.policy.on_done(request_id, self.clock())  # or its cold slot would stay taken
                 self._cv.notify_all()
             if outer is not None:
@@ -203,6 +225,7 @@ class AdmissionController:
         for event in inner:
             outer.put(event)
         with self._cv:
+            self._allocated(inner.request_id)
             self.policy.on_done(inner.request_id, self.clock())
             self._cv.notify_all()
 
@@ -218,6 +241,9 @@ class AdmissionController:
         )
 
     def _on_lifecycle(self, event: LifecycleEvent) -> None:
+        if event.kind in (LifecycleKind.ADMITTED, LifecycleKind.FINISHED, LifecycleKind.RELEASED):
+            with self._cv:
+                self._allocated(event.request_id)
         if event.kind is LifecycleKind.FIRST_TOKEN:
             computed = event.stats.computed_tokens if event.stats else None
             with self._cv:

@@ -10,6 +10,7 @@ them, so a hit leaves the pool too).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ikcode.engines.base import EngineLoad
@@ -24,14 +25,15 @@ def num_ranks(engine: Any) -> int:
 
 
 class RankGate:
-    """Read the engine's per-rank memory once per round; blocks promised earlier in the round
-    count against their rank (those requests have not allocated yet)."""
+    """Read the engine's per-rank memory once per round; blocks promised to requests that have
+    not allocated yet count against their rank: those of earlier rounds still waiting for the
+    engine's next step (`promised`, which its load does not show), and those of this round."""
 
-    def __init__(self, engine: Any, memory_gate: bool = True):
+    def __init__(self, engine: Any, memory_gate: bool = True, promised: Mapping[int, int] | None = None):
         self.engine = engine
         self.memory_gate = memory_gate
         self._loads: list[EngineLoad] | None = None
-        self._promised: dict[int, int] = {}
+        self._promised: dict[int, int] = dict(promised or {})
         self._needs: dict[str, int] = {}
         self._admitting: list[int] = [0] * num_ranks(engine)  # handed in this round, per rank
 
@@ -46,6 +48,10 @@ class RankGate:
         ticket.rank = where.rank
         self._needs[ticket.request_id] = where.kv_blocks
         return where.rank
+
+    def blocks_for(self, ticket: Ticket) -> int:
+        """The blocks ticket's allocation takes on its rank (after `place`)."""
+        return self._needs.get(ticket.request_id, 0)
 
     def fits(self, ticket: Ticket) -> bool:
         """Whether ticket's allocation fits its rank's free blocks now; if so they are promised

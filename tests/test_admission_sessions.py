@@ -3,6 +3,7 @@ serving stack's wiring, and the live gate over HTTP (real gateway, real embedded
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 
@@ -203,6 +204,11 @@ def test_the_live_gate_holds_sessions_at_plans_limit_over_http(tmp_path):
         sent = time.monotonic()
         assert turn("sess-c", "third agent, first step").status_code == 200
         assert time.monotonic() - sent < 30
+        # Its wait for a slot is in the request log's queue wait (the engine's queue alone says ~0).
+        waits = controller.stats()["queue_wait"]
+        waited_s = max(by_class["max_wait_s"] for by_class in waits.values())
+        logged = json.loads((tmp_path / "requests.jsonl").read_text().splitlines()[-1])
+        assert waited_s > 0.1 and logged["queue_wait_ms"] >= waited_s * 1000
     finally:
         srv.stop()
         controller.shutdown(5)

@@ -73,6 +73,7 @@ class Generation:
         stop_sequences: list[str],
         record: dict[str, Any],
         arrived: float,
+        submitted: float,
     ):
         self.gw = gw
         self.request_id = request_id
@@ -82,6 +83,7 @@ class Generation:
         self.lookup = lookup
         self.record = record
         self.arrived = arrived
+        self.submitted = submitted  # handed to the engine (or its admission queue)
         parser = gw.renderer.tool_format.new_parser(rendered.tools)
         self.builder = ReplyBuilder(gw.tokenizer, gw.renderer.stop_token_ids, stop_sequences, parser)
         self.reader = _EventReader(stream)
@@ -231,11 +233,21 @@ class Generation:
                 logger.exception("could not remember the reply of %s", self.request_id)
         ttft = None if self.first_token_at is None else self.first_token_at - self.arrived
         gw.metrics.observe_generation(
-            self.stats, ttft, len(self.builder.generated_ids), self.record.get("user")
+            self.stats, ttft, self.queue_wait_s, len(self.builder.generated_ids), self.record.get("user")
         )
         if self.record.get("compaction"):
             gw.metrics.observe_compaction(self.stats, ttft, len(self.builder.generated_ids))
         self._write_record(ttft)
+
+    @property
+    def queue_wait_s(self) -> float | None:
+        """From submit until the engine allocated the request: the admission queue (cold cap,
+        memory gate, session slots) and the engine's own. The engine's queue_wait_s starts only
+        when the engine got it, after admission let it through."""
+        stats = self.stats
+        if stats is None or stats.admitted_at is None:
+            return None
+        return max(0.0, stats.admitted_at - self.submitted)
 
     def _write_record(self, ttft: float | None) -> None:
         stats = self.stats
@@ -248,7 +260,7 @@ class Generation:
             hit_rate=round(stats.hit_rate, 4) if stats else 0.0,
             # warm/cold as the metrics label it, so queue wait and TTFT can be split by class
             cache_class="warm" if stats and stats.hit_rate >= WARM_HIT_RATE else "cold",
-            queue_wait_ms=_ms(stats.queue_wait_s if stats else None),
+            queue_wait_ms=_ms(self.queue_wait_s),
             ttft_ms=_ms(ttft),
             duration_ms=_ms(time.monotonic() - self.arrived),
             output_tokens=len(self.builder.generated_ids),

@@ -211,6 +211,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
             block_hashes=block_hashes,
         )
         check_draining(gw)  # the drain may have begun while this prompt was rendered
+        submitted = time.monotonic()
         try:
             stream = gw.engine.submit(engine_request)
         except EngineError as error:
@@ -220,7 +221,16 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         gw.log.write(record)
         raise
     generation = Generation(
-        gw, request_id, body.model, stream, rendered, lookup, body.stop_sequences or [], record, arrived
+        gw,
+        request_id,
+        body.model,
+        stream,
+        rendered,
+        lookup,
+        body.stop_sequences or [],
+        record,
+        arrived,
+        submitted,
     )
     if body.stream:
         return ClosingStreamingResponse(

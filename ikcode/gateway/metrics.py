@@ -100,7 +100,10 @@ class GatewayMetrics:
             registry=r,
         )
         self.queue_wait = Histogram(
-            "ikcode_queue_wait_seconds", "time queued in the engine", buckets=_WAIT_BUCKETS, registry=r
+            "ikcode_queue_wait_seconds",
+            "time queued before the engine allocated it (admission and engine)",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter("ikcode_prompt_tokens", "prompt tokens", registry=r)
         self.cached_tokens = Counter(
@@ -181,7 +184,12 @@ class GatewayMetrics:
         return out
 
     def observe_generation(
-        self, stats: RequestStats | None, ttft_s: float | None, output_tokens: int, user: str | None = None
+        self,
+        stats: RequestStats | None,
+        ttft_s: float | None,
+        queue_wait_s: float | None,
+        output_tokens: int,
+        user: str | None = None,
     ) -> None:
         self.generated_tokens.inc(output_tokens)
         if stats is None:
@@ -194,5 +202,5 @@ class GatewayMetrics:
         self.cached_tokens.labels("host").inc(stats.cached_tokens_host)
         if ttft_s is not None:
             self.ttft.labels("warm" if stats.hit_rate >= WARM_HIT_RATE else "cold").observe(ttft_s)
-        if stats.queue_wait_s is not None:
-            self.queue_wait.observe(stats.queue_wait_s)
+        if queue_wait_s is not None:
+            self.queue_wait.observe(queue_wait_s)

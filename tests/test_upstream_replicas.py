@@ -6,12 +6,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, defaultdict
+from dataclasses import replace
 
 import httpx
 import pytest
 
+from ikcode.gateway import BackgroundServer
 from ikcode.upstream import Router
-from tests.test_upstream_support import FRONT_TOKEN, EmbeddedReplica, front_records, front_server
+from tests.test_upstream_support import FRONT_TOKEN, EmbeddedReplica, front_app, front_records, front_server
 
 pytestmark = pytest.mark.slow
 
@@ -150,3 +152,38 @@ def test_killed_replica_loses_no_session_for_more_than_one_retry(tmp_path):
         front.stop()
         for r in replicas:
             r.stop()
+
+
+def test_session_memory_is_bounded_by_count_and_idle_time(tmp_path, monkeypatch):
+    # Session ids come from a client header: a front that kept every id ever sent would grow
+    # without end, and balance new sessions by counting dead ones.
+    from ikcode.upstream import admission, router
+
+    monkeypatch.setattr(router, "MAX_SESSIONS", 10)
+    monkeypatch.setattr(admission, "MAX_SESSIONS", 10)
+    replica = EmbeddedReplica(tmp_path)
+    app = front_app(tmp_path, "anthropic", [replica.url])
+    srv = BackgroundServer(app).start()
+    up = app.state.upstream
+    body = {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with httpx.Client(timeout=60, headers={"x-api-key": FRONT_TOKEN}) as http:
+
+            def turn(session: str) -> None:
+                headers = {"x-claude-code-session-id": session}
+                assert http.post(srv.url + "/v1/messages", json=body, headers=headers).status_code == 200
+
+            for i in range(30):
+                turn(f"s-{i}")
+            assert len(up.router.session_replica) == 10 and len(up.admission.sessions) == 10
+            assert http.get(srv.url + "/health").json()["replicas"][0]["sessions"] == 10
+            assert list(up.router.session_replica)[-1] == "s-29"  # the most recent are kept
+            monkeypatch.setattr(router, "SESSION_MEMORY_S", 0.2)
+            monkeypatch.setattr(up.admission, "config", replace(up.admission.config, session_memory_s=0.2))
+            time.sleep(0.3)
+            turn("s-new")
+            assert list(up.router.session_replica) == ["s-new"] and list(up.admission.sessions) == ["s-new"]
+            assert http.get(srv.url + "/health").json()["replicas"][0]["sessions"] == 1
+    finally:
+        srv.stop()
+        replica.stop()

@@ -19,6 +19,7 @@ import asyncio
 import hashlib
 import pickle
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from ikcode.admission import AdmissionConfig
 from ikcode.admission.policy import AdmissionPolicy, Ticket
 from ikcode.engines.base import CacheLookup
 
-from .router import shown_url
+from .router import MAX_SESSIONS, shown_url
 
 _PRIOR_TOKENS_PER_BYTE = 0.3  # JSON-wrapped code and English: ~3.3 bytes per token
 
@@ -35,6 +36,7 @@ _PRIOR_TOKENS_PER_BYTE = 0.3  # JSON-wrapped code and English: ~3.3 bytes per to
 class _SessionMemory:
     replica_url: str
     message_hashes: list[bytes]
+    last_seen: float  # monotonic time of its last request
 
 
 def message_fingerprints(messages: list[Any]) -> tuple[list[bytes], list[int]]:
@@ -53,7 +55,9 @@ class UpstreamAdmission:
     def __init__(self, config: AdmissionConfig, replica_urls: list[str]):
         self.config = config
         self.policies = {url: AdmissionPolicy(config) for url in replica_urls}
-        self.sessions: dict[str, _SessionMemory] = {}
+        # Least recently seen first; forgotten after config.session_memory_s or past MAX_SESSIONS
+        # (session ids come from a client header: memory must not grow with every id sent).
+        self.sessions: OrderedDict[str, _SessionMemory] = OrderedDict()
         self.tokens_per_byte = _PRIOR_TOKENS_PER_BYTE
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._tickets: dict[str, tuple[str, Ticket]] = {}  # request id -> (replica url, ticket)
@@ -88,7 +92,9 @@ class UpstreamAdmission:
         )
         policy.offer(ticket, now)  # raises EngineOverloaded (529 + retry-after)
         if session_id:
-            self.sessions[session_id] = _SessionMemory(replica_url, hashes)
+            self.sessions[session_id] = _SessionMemory(replica_url, hashes, now)
+            self.sessions.move_to_end(session_id)
+            self._forget_idle(now)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = waiter
         self._tickets[request_id] = (replica_url, ticket)
@@ -101,6 +107,13 @@ class UpstreamAdmission:
             self.done(request_id)
             raise
         return ticket
+
+    def _forget_idle(self, now: float) -> None:
+        while self.sessions:
+            oldest = next(iter(self.sessions.values()))
+            if now - oldest.last_seen <= self.config.session_memory_s and len(self.sessions) <= MAX_SESSIONS:
+                return
+            self.sessions.popitem(last=False)
 
     def _pump(self, replica_url: str) -> None:
         for ticket in self.policies[replica_url].admit(time.monotonic()):

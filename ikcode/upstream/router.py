@@ -13,12 +13,18 @@ from __future__ import annotations
 import hashlib
 import re
 import threading
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
 
 # New sessions follow their prefix's replica until it holds this many more sessions than another.
 SESSION_SLACK = 2
+# A session's replica is remembered this long after its last request (an hour, as admission
+# remembers a session: AdmissionConfig.session_memory_s), and for at most this many sessions:
+# session ids come from a client header, so memory must not grow with every id ever sent.
+SESSION_MEMORY_S = 3600.0
+MAX_SESSIONS = 10_000
 
 
 @dataclass
@@ -69,7 +75,8 @@ class Router:
     def __init__(self, urls: list[str], max_in_flight: int):
         self.replicas = [Replica(url, i) for i, url in enumerate(urls)]
         self.max_in_flight = max_in_flight
-        self.session_replica: dict[str, Replica] = {}
+        # session id -> (its replica, when it last sent a request), least recently used first
+        self.session_replica: OrderedDict[str, tuple[Replica, float]] = OrderedDict()
         self.moves: Counter[str] = Counter()  # reason -> sessions moved
         self._lock = threading.Lock()
 
@@ -97,7 +104,8 @@ class Router:
             up = [r for r in self.replicas if r.healthy and r.url not in exclude]
             if not up:
                 raise NoReplica("no healthy upstream replica")
-            current = self.session_replica.get(session_id) if session_id else None
+            now = time.monotonic()
+            current = self._replica_of(session_id)
             if current is not None and (not current.healthy or current.url in exclude):
                 self.moves["replica_down"] += 1
                 current = None
@@ -114,12 +122,14 @@ class Router:
             else:
                 chosen = current
             if session_id:
-                old = self.session_replica.get(session_id)
+                old = self._replica_of(session_id)
                 if old is not chosen:
                     if old is not None:
                         old.sessions.discard(session_id)
                     chosen.sessions.add(session_id)
-                    self.session_replica[session_id] = chosen
+                self.session_replica[session_id] = (chosen, now)
+                self.session_replica.move_to_end(session_id)
+            self._forget_idle(now)
             chosen.in_flight += 1
             chosen.served += 1
             return chosen
@@ -128,11 +138,25 @@ class Router:
         """Where `pick` would most likely send this request now, taking nothing (admission
         queues it on that replica; a later move by the load guard is rare and tolerated)."""
         with self._lock:
-            current = self.session_replica.get(session_id) if session_id else None
+            current = self._replica_of(session_id)
             if current is not None and current.healthy:
                 return current
             up = self.healthy()
             return self._place_new(prefix_key, up) if up else None
+
+    def _replica_of(self, session_id: str | None) -> Replica | None:
+        entry = self.session_replica.get(session_id) if session_id else None
+        return entry[0] if entry is not None else None
+
+    def _forget_idle(self, now: float) -> None:
+        """Drop sessions idle past SESSION_MEMORY_S, and the least recent past MAX_SESSIONS (a
+        forgotten session is placed anew by its prefix, most likely on the same replica)."""
+        while self.session_replica:
+            session_id, (replica, last) = next(iter(self.session_replica.items()))
+            if now - last <= SESSION_MEMORY_S and len(self.session_replica) <= MAX_SESSIONS:
+                return
+            del self.session_replica[session_id]
+            replica.sessions.discard(session_id)
 
     def url_of(self, name: str | None) -> str | None:
         return next((r.url for r in self.replicas if r.name == name), None)

@@ -11,6 +11,7 @@ import ipaddress
 import os
 import secrets
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ikcode import paths
 
@@ -111,6 +112,12 @@ def revoke_team_token(name: str) -> bool:
     del tokens[name]
     _save_team_tokens(tokens)
     return True
+
+
+def proxied(url: str) -> bool:
+    """Whether a request to url may go through the proxy the environment names: never for this
+    machine (an HTTPS_PROXY in the shell must not carry a loopback request off to the proxy)."""
+    return not is_loopback(urlsplit(url).hostname or "")
 
 
 def is_loopback(host: str) -> bool:

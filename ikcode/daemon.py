@@ -6,7 +6,9 @@ then waits until GET /health answers. One instance per state dir.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import json
 import os
 import signal
@@ -14,7 +16,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -189,6 +191,18 @@ def bind_problem(host: str, port: int) -> str | None:
 
 def port_in_use(host: str, port: int) -> bool:
     return bind_problem(host, port) is not None
+
+
+@contextlib.contextmanager
+def start_lock() -> Iterator[None]:
+    """Held from "is a server running?" until the one started is healthy: two launchers started
+    at once (two `ikcode claude` with no server up) would both find none and both start one."""
+    with (server_dir() / "start.lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def check_can_start(host: str, port: int) -> None:

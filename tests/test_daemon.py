@@ -1,7 +1,11 @@
 """`ikcode up`, `status`, `logs`, `down` as a user runs them, on the default model."""
 
 import json
+import os
+import shutil
 import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -111,3 +115,41 @@ def test_a_failed_start_shows_its_own_errors_not_an_earlier_starts(tmp_path):
     second = ikcode("up", "--profile", str(profile), "--model", str(tmp_path / "second-missing.gguf"))
     assert second.returncode != 0 and "second-missing.gguf" in second.stderr
     assert "first-missing.gguf" not in second.stderr  # the log holds both starts; only this one shows
+
+
+def test_two_launchers_at_once_share_one_server_and_env_follows_it(tmp_path):
+    # Two `ikcode claude` started together with no server up used to both start one (one failed);
+    # `ikcode env` and `settings` pointed at the profile's port after `up --port N`; and a proxy
+    # in the shell carried requests for this machine's server off to the proxy.
+    profile = str(local_profile(tmp_path, free_port()))
+    env = dict(os.environ, IKCODE_CLAUDE_BIN=shutil.which("true") or "/bin/true")
+    launches = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ikcode", "claude", "--profile", profile, "--", "-p", "hi"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    try:
+        outcomes = [(p.wait(300), p.stderr.read()) for p in launches]
+        assert [rc for rc, _ in outcomes] == [0, 0], outcomes
+        assert sum("ikcode: serving" in err for _, err in outcomes) == 1  # one started it
+    finally:
+        ikcode("down")
+    port = free_port()
+    started = ikcode("up", "--profile", profile, "--port", str(port))
+    assert started.returncode == 0, started.stderr
+    try:
+        proxied = dict(os.environ, HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+        proxied.pop("NO_PROXY", None)
+        proxied.pop("no_proxy", None)
+        exported = ikcode("env", "--profile", profile, "--shell", "bash", env=proxied).stdout
+        assert f"ANTHROPIC_BASE_URL=http://127.0.0.1:{port}" in exported.replace("'", "")
+        assert "NO_PROXY=127.0.0.1,localhost" in exported.replace("'", "")
+        checked = ikcode("doctor", "--only", "endpoint", "--json", env=proxied)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    finally:
+        ikcode("down")

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from ikcode import auth
 from ikcode.cli.common import profile_option, resolve_profile
+from ikcode.cli.serve import running_endpoint
 from ikcode.launcher import settings as claude_settings
 from ikcode.launcher.claude import LauncherError, endpoint_problem, exec_claude, mapping_for, plan_launch
 from ikcode.launcher.shells import SHELLS, render
@@ -43,7 +44,8 @@ def env_command(profile_ref: str | None, base_url: str | None, shell: str | None
     Use it as: eval "$(ikcode env)"
     """
     profile = resolve_profile(profile_ref)
-    click.echo(render(mapping_for(profile, base_url), shell or _guess_shell()), nl=False)
+    url = base_url or running_endpoint(profile, named=profile_ref is not None)
+    click.echo(render(mapping_for(profile, url), shell or _guess_shell()), nl=False)
 
 
 @click.command("settings")
@@ -59,7 +61,7 @@ def settings_command(
 ) -> None:
     """Write, remove or inspect the mapping in Claude Code's settings files."""
     profile = resolve_profile(profile_ref)
-    mapping = mapping_for(profile, base_url)
+    mapping = mapping_for(profile, base_url or running_endpoint(profile, named=profile_ref is not None))
     project = Path.cwd()
     try:
         if action == "write":

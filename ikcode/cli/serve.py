@@ -43,7 +43,24 @@ def start_stack(profile: Profile, port: int | None = None, model: str | None = N
 def ensure_stack(profile: Profile, asked_for: bool = False) -> str:
     """The profile's endpoint, started first when nothing answers there (used by `ikcode claude`).
     `asked_for`: the user named this profile; a server of another profile on its port is then
-    an error (its model and the profile's claude arguments would not match)."""
+    an error (its model and the profile's claude arguments would not match). Under the start
+    lock: a launcher started at the same time waits, then finds the server this one started."""
+    with daemon.start_lock():
+        return _ensure_stack(profile, asked_for)
+
+
+def running_endpoint(profile: Profile, named: bool) -> str:
+    """Where the profile is served now: the running server's URL when it answers and serves this
+    profile (`ikcode up --port N` moved it), else the profile's own. `named`: the user named the
+    profile; an unnamed one takes whatever server runs."""
+    running = daemon.read_state()
+    if running is not None and (not named or running.profile == profile.name):
+        if daemon.health(running.url) is not None:
+            return running.url
+    return profile.base_url
+
+
+def _ensure_stack(profile: Profile, asked_for: bool) -> str:
     running = daemon.read_state()
     if daemon.health(profile.base_url) is not None:
         other = running is not None and running.url == profile.base_url and running.profile != profile.name
@@ -82,7 +99,8 @@ def up_command(
             raise click.ClickException(str(err)) from None
         return
     try:
-        state = start_stack(profile, port, model)
+        with daemon.start_lock():
+            state = start_stack(profile, port, model)
     except daemon.DaemonError as err:
         raise click.ClickException(str(err)) from None
     click.echo(f"ikcode is serving {profile.served_model} at {state.url} (pid {state.pid})")

@@ -9,6 +9,8 @@ from typing import Any
 
 import httpx
 
+from ikcode import auth
+
 ANTHROPIC_VERSION = "2023-06-01"
 SESSION_HEADER = "X-Claude-Code-Session-Id"
 
@@ -57,7 +59,7 @@ class EndpointClient:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
-        self.http = httpx.Client(headers=headers, timeout=timeout)
+        self.http = httpx.Client(headers=headers, timeout=timeout, trust_env=auth.proxied(base_url))
 
     def close(self) -> None:
         self.http.close()

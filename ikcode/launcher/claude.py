@@ -51,7 +51,12 @@ def discover_served_model(base_url: str, token: str | None, timeout_s: float = 2
     if token:
         headers["Authorization"] = f"Bearer {token}"
     try:
-        response = httpx.get(f"{base_url.rstrip('/')}/v1/models", headers=headers, timeout=timeout_s)
+        response = httpx.get(
+            f"{base_url.rstrip('/')}/v1/models",
+            headers=headers,
+            timeout=timeout_s,
+            trust_env=auth.proxied(base_url),
+        )
         data = response.json().get("data") or []
     except (httpx.HTTPError, ValueError, AttributeError):
         return None
@@ -99,6 +104,7 @@ def mapping_for(profile: Profile, base_url: str | None = None, discover: bool = 
         max_output_tokens=served.max_output_tokens,
         api_timeout_ms=profile.claude.api_timeout_ms,
         compact_at_fraction=profile.compaction.compact_at_fraction,
+        no_proxy=os.environ.get("NO_PROXY") or os.environ.get("no_proxy") or "",
     )
 
 

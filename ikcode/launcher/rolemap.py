@@ -8,7 +8,9 @@ endpoint. Every role is mapped to the one served model here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
+from ikcode.auth import is_loopback
 from ikcode.launcher.compaction import DEFAULT_COMPACT_AT_FRACTION, compaction_env
 from ikcode.launcher.compaction import UNSET_VARS as COMPACTION_UNSET_VARS
 
@@ -79,11 +81,19 @@ def claude_env(
     max_output_tokens: int,
     api_timeout_ms: int = 600_000,
     compact_at_fraction: float = DEFAULT_COMPACT_AT_FRACTION,
+    no_proxy: str = "",
 ) -> Mapping:
-    """The environment that maps every Claude Code role to `served_model` at `base_url`."""
+    """The environment that maps every Claude Code role to `served_model` at `base_url`.
+    no_proxy: the user's NO_PROXY, kept, with a loopback endpoint's host added (an HTTPS_PROXY
+    in the shell would otherwise carry requests for this machine's server off to the proxy)."""
     if not served_model:
         raise ValueError("served model name is empty")
     values: dict[str, str] = {"ANTHROPIC_BASE_URL": base_url.rstrip("/")}
+    host = urlsplit(base_url).hostname or ""
+    if is_loopback(host):
+        hosts = [h.strip() for h in no_proxy.split(",") if h.strip()]
+        hosts += [h for h in (host, "localhost") if h not in hosts]
+        values["NO_PROXY"] = values["no_proxy"] = ",".join(hosts)
     if token:
         values["ANTHROPIC_AUTH_TOKEN"] = token
     for name in MODEL_ROLE_VARS:

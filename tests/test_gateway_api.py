@@ -205,6 +205,9 @@ def test_disconnect_mid_stream_frees_the_engine(engine, tokenizer, tmp_path):
         last = json.loads(gw.settings.request_log_path.read_text().splitlines()[-1])
         assert last["error"] == "client disconnected" and last["stream"] is True
         assert last["output_tokens"] < 256
+        # `ikcode status` counts it as a client that left, not as an answered request.
+        health = httpx.get(srv.url + "/health", headers={"x-api-key": "tok-alice"}).json()
+        assert (health["requests"], health["refused"]) == (0, 1)
     finally:
         srv.stop()
     wait_idle(engine)

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from ikcode.auth import OWNER, tokens_equal
 from ikcode.gateway.errors import APIError, invalid_request
 from ikcode.gateway.settings import GatewaySettings
+from ikcode.gateway.sse import OUTCOME_KEY
 
 CLIENT_CLOSED = 499  # the status logged for a request whose client left before its answer
 KNOWN_ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/")
@@ -69,7 +70,8 @@ class EdgeMiddleware:
                 return await response(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
         finally:
-            self.gw.metrics.requests.labels(route, str(status["code"])).inc()
+            code = (scope.get("state") or {}).get(OUTCOME_KEY, status["code"])
+            self.gw.metrics.requests.labels(route, str(code)).inc()
 
 
 def body_limit(gw: EdgeState) -> int:

@@ -26,7 +26,7 @@ from ikcode.engines.base import (
     RequestStream,
     TokenEvent,
 )
-from ikcode.gateway.edge import client_disconnected
+from ikcode.gateway.edge import CLIENT_CLOSED, client_disconnected
 from ikcode.gateway.errors import APIError, from_engine_error
 from ikcode.gateway.metrics import WARM_HIT_RATE
 from ikcode.gateway.render import RenderedPrompt
@@ -238,6 +238,15 @@ class Generation:
         if self.record.get("compaction"):
             gw.metrics.observe_compaction(self.stats, ttft, len(self.builder.generated_ids))
         self._write_record(ttft)
+
+    def outcome_status(self) -> int:
+        """The status a closed stream counts under: 200 answered, 499 its client left, else the
+        status its error would have had before the stream began."""
+        if self.completed:
+            return 200
+        if self.error is not None:
+            return from_engine_error(self.error).status
+        return CLIENT_CLOSED
 
     @property
     def queue_wait_s(self) -> float | None:

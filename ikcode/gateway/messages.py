@@ -236,6 +236,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         return ClosingStreamingResponse(
             generation.sse(),
             on_close=generation.close,
+            outcome=generation.outcome_status,
             media_type="text/event-stream",
             headers=STREAM_HEADERS,
         )

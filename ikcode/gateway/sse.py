@@ -21,6 +21,10 @@ def sse_event(event: dict[str, Any]) -> bytes:
     return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
+# Where a stream leaves the status to count it under (the edge's request counter reads it).
+OUTCOME_KEY = "ikcode_outcome_status"
+
+
 class ClosingStreamingResponse(StreamingResponse):
     """A StreamingResponse that runs `on_close` once it is done with the client, however it ends.
 
@@ -32,10 +36,15 @@ class ClosingStreamingResponse(StreamingResponse):
     """
 
     def __init__(
-        self, content: AsyncIterable[bytes], on_close: Callable[[], Awaitable[None] | None], **kwargs: Any
+        self,
+        content: AsyncIterable[bytes],
+        on_close: Callable[[], Awaitable[None] | None],
+        outcome: Callable[[], int] | None = None,
+        **kwargs: Any,
     ):
         super().__init__(content, **kwargs)
         self.on_close = on_close
+        self.outcome = outcome
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -45,3 +54,6 @@ class ClosingStreamingResponse(StreamingResponse):
                 result = self.on_close()
                 if inspect.isawaitable(result):
                     await result
+            if self.outcome is not None:
+                # The status sent was 200 before the stream began; how it ended is what counts.
+                scope.setdefault("state", {})[OUTCOME_KEY] = self.outcome()

@@ -116,3 +116,61 @@ def test_count_tokens_is_held_to_the_per_user_cap(tmp_path, monkeypatch):
         runner.join(60)
         front.stop()
         replica.stop()
+
+
+def test_a_replica_dying_mid_event_never_leaves_half_an_event_before_the_error(tmp_path):
+    # A server that sends one whole event, then half of the next, then closes the connection.
+    whole = b'event: message_start\ndata: {"type":"message_start","message":{"id":"m","usage":{}}}\n\n'
+    half = b'event: content_block_delta\ndata: {"type":"content_bl'
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += conn.recv(65536)
+            head, _, body = received.partition(b"\r\n\r\n")
+            if not head.startswith(b"POST"):  # the front's health check
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{}")
+                return
+            length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for part in (whole, half):
+                conn.sendall(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                time.sleep(0.1)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True).start()
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    front = front_server(tmp_path, "anthropic", [f"http://127.0.0.1:{port}"])
+    try:
+        body = {
+            "model": "tiny",
+            "max_tokens": 5,
+            "stream": True,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        headers = {"x-api-key": FRONT_TOKEN}
+        with httpx.stream("POST", front.url + "/v1/messages", json=body, headers=headers, timeout=30) as r:
+            received = b"".join(r.iter_raw())
+        events = [e for e in received.split(b"\n\n") if e.strip()]
+        assert events[0] == whole.strip()
+        assert b"content_bl" not in received  # the half event was not relayed
+        last = json.loads(events[-1].split(b"data: ", 1)[1])
+        assert last["error"]["type"] == "overloaded_error"
+    finally:
+        front.stop()
+        listener.close()
+        server.join(5)

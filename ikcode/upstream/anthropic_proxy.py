@@ -132,6 +132,7 @@ async def forward_messages(
 async def _relay(tap: _Tap, record: dict, arrived: float, end: StreamEnd) -> AsyncIterator[bytes]:
     up, replica, response = end.up, end.replica, end.response
     scanner = SSEScanner()
+    pending = b""  # bytes of an event not complete yet: relayed whole or not at all
     try:
         async for chunk in response.aiter_raw():
             now = time.monotonic()
@@ -140,13 +141,26 @@ async def _relay(tap: _Tap, record: dict, arrived: float, end: StreamEnd) -> Asy
                 tap.see(event, data, now)
             if not had_first and tap.first_delta_at is not None:
                 up.first_token(record)
-            yield chunk
+            pending += chunk
+            whole = complete_events_end(pending)
+            if whole:
+                yield pending[:whole]
+                pending = pending[whole:]
+        if pending:
+            yield pending  # the server's own last bytes, as it framed them
     except Exception as err:  # the replica died mid-stream: say so in-band; the client retries
         up.router.mark_down(replica, f"stream cut: {type(err).__name__}")
         tap.error = f"upstream stream cut: {type(err).__name__}"
         yield sse_event(error_body("overloaded_error", "upstream replica failed mid-stream; retry"))
     finally:
         await end(lambda: _finish(up, record, tap, arrived))
+
+
+def complete_events_end(buffer: bytes) -> int:
+    """Where the last complete SSE event in buffer ends (0: none yet). A replica that dies in
+    the middle of an event must not leave half of it before the error event that follows."""
+    lf, crlf = buffer.rfind(b"\n\n"), buffer.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def _finish(up: Upstream, record: dict[str, Any], tap: _Tap, arrived: float) -> None:

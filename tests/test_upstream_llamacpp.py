@@ -233,13 +233,17 @@ def test_each_user_has_a_cache_salt_of_their_own(llama_server, tmp_path):
     srv = BackgroundServer(app).start()
     try:
         body = {"model": "smollm2", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
-        for token in users.values():
-            answer = httpx.post(
-                srv.url + "/v1/messages", json=body, headers={"x-api-key": token}, timeout=120
-            )
+        for token in users.values():  # the same session id from both: each keeps its own
+            headers = {"x-api-key": token, "x-claude-code-session-id": "s-1"}
+            answer = httpx.post(srv.url + "/v1/messages", json=body, headers=headers, timeout=120)
             assert answer.status_code == 200, answer.text
         salts = [chat.get("cache_salt") for chat in sent]
         assert len(salts) == 2 and all(salts) and salts[0] != salts[1]
         assert not any(name in salt for salt in salts for name in users)  # no user name upstream
+        # Routing and admission remember a session within its user's namespace: one user who
+        # learns another's session id neither moves that session nor resets its admission memory.
+        up = app.state.upstream
+        assert sorted(up.router.session_replica) == ["alice/s-1", "bob/s-1"]
+        assert sorted(up.admission.sessions) == ["alice/s-1", "bob/s-1"]
     finally:
         srv.stop()

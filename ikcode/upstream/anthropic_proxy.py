@@ -90,7 +90,7 @@ async def forward_messages(
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     headers = upstream_headers(up, request.headers, anthropic=True)
     replica, response, attempts = await open_stream(
-        up, request, path, content, headers, record.get("session_id"), prefix_key(body)
+        up, request, path, content, headers, up.session_key(record.get("user"), request), prefix_key(body)
     )
     record.update(replica=replica.name, attempts=attempts, status=response.status_code)
     tap = _Tap()
@@ -178,12 +178,12 @@ def _finish(up: Upstream, record: dict[str, Any], tap: _Tap, arrived: float) -> 
     up.log.write(record)
 
 
-async def forward_count_tokens(up: Upstream, request: Request, raw: bytes) -> Response:
+async def forward_count_tokens(up: Upstream, request: Request, raw: bytes, user: str | None) -> Response:
     content, body = _body_for_upstream(up, raw)
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     headers = upstream_headers(up, request.headers, anthropic=True)
     replica, response, _ = await open_stream(
-        up, request, path, content, headers, request.headers.get("x-claude-code-session-id"), prefix_key(body)
+        up, request, path, content, headers, up.session_key(user, request), prefix_key(body)
     )
     data = await read_answer(up, request, replica, response)
     return Response(data, status_code=response.status_code, headers=response_headers(response))

@@ -67,7 +67,7 @@ async def _admit(up: Upstream, request: Request, body: dict[str, Any], record: d
     """Wait for this request's turn on the replica it will most likely go to (or shed it: 529)."""
     if up.admission is None or not isinstance(body.get("messages"), list):
         return
-    session = record["session_id"]
+    session = up.session_key(record.get("user"), request)
     replica = up.router.peek(session, prefix_key(body))
     if replica is None:
         return  # no healthy replica: the forward answers 503
@@ -217,7 +217,7 @@ def create_upstream_app(
             try:
                 if config.kind == "anthropic":
                     raw = await _read_raw(up, request)
-                    return await anthropic_proxy.forward_count_tokens(up, request, raw)
+                    return await anthropic_proxy.forward_count_tokens(up, request, raw, user)
                 body = await read_model(up, request, CountTokensRequest)
                 check_model(up, body.model)
                 return await openai_proxy.count_tokens(up, request, body, user)

@@ -43,7 +43,7 @@ async def _send(
         chat["cache_salt"] = cache_salt(user)
     content = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
     headers = upstream_headers(up, request.headers, anthropic=False)
-    session = request.headers.get("x-claude-code-session-id")
+    session = up.session_key(user, request)
     replica, response, attempts = await open_stream(
         up, request, CHAT_PATH, content, headers, session, prefix_key(data)
     )

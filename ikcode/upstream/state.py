@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
@@ -55,6 +56,15 @@ class Upstream:
         if self.in_flight_by_user[user or ""] <= 0:
             del self.in_flight_by_user[user or ""]
         self.metrics.in_flight.dec()
+
+    def session_key(self, user: str | None, request: Any) -> str | None:
+        """The key routing and admission remember a request's session by: Claude Code's session
+        header, within the user's own namespace when users' caches are kept apart (one user who
+        learns another's session id must not move that session or reset its admission memory)."""
+        session = request.headers.get("x-claude-code-session-id")
+        if not session or not self.settings.salts_per_user:
+            return session
+        return f"{user or ''}/{session}"
 
     def first_token(self, record: dict) -> None:
         if self.admission is not None:

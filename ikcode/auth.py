@@ -43,6 +43,13 @@ def load_or_create_token(path: Path | None = None) -> str:
     return token
 
 
+def client_token() -> str:
+    """The token this machine's clients (`ikcode claude`, `env`, `settings`, `doctor`) send:
+    IKCODE_TOKEN when set (a team member's own token, for a server on another machine), else
+    this machine's launcher token."""
+    return os.environ.get("IKCODE_TOKEN") or load_or_create_token()
+
+
 def rotate_token(path: Path | None = None) -> str:
     path = path or token_path()
     token = TOKEN_PREFIX + secrets.token_urlsafe(32)

@@ -97,6 +97,17 @@ def test_claude_gets_full_mapping_in_env_and_settings_file(tmp_path, answering):
     assert token not in proc.stderr and token not in proc.stdout
 
 
+def test_a_team_members_own_token_is_sent_to_a_server_elsewhere(tmp_path, answering):
+    # --base-url to another machine's server: this machine's launcher token would be a 401 there.
+    own = "ik-alice-own-token"
+    proc, rec = run_ikcode_claude(
+        tmp_path, "--base-url", answering, "--", "-p", "hi", extra_env={"IKCODE_TOKEN": own}
+    )
+    assert proc.returncode == 7, proc.stderr
+    assert rec["env"]["ANTHROPIC_AUTH_TOKEN"] == rec["settings"]["env"]["ANTHROPIC_AUTH_TOKEN"] == own
+    assert own not in proc.stderr and own not in proc.stdout
+
+
 def test_user_flags_override_profile_defaults(tmp_path, answering):
     proc, rec = run_ikcode_claude(tmp_path, "--base-url", answering, "--", "--tools", "Bash", "-p", "x")
     assert proc.returncode == 7

@@ -94,7 +94,7 @@ def served_model_for(profile: Profile, base_url: str, token: str | None, discove
 
 def mapping_for(profile: Profile, base_url: str | None = None, discover: bool = True) -> Mapping:
     url = base_url or profile.base_url
-    token = auth.load_or_create_token()
+    token = auth.client_token()
     served = served_model_for(profile, url, token, discover)
     return claude_env(
         served_model=served.name,

@@ -170,6 +170,9 @@ def test_a_replica_dying_mid_event_never_leaves_half_an_event_before_the_error(t
         assert b"content_bl" not in received  # the half event was not relayed
         last = json.loads(events[-1].split(b"data: ", 1)[1])
         assert last["error"]["type"] == "overloaded_error"
+        # `ikcode status` counts it as the server's error, not as an answered request.
+        health = httpx.get(front.url + "/health", headers=headers).json()
+        assert (health["requests"], health["errors"]) == (0, 1)
     finally:
         front.stop()
         listener.close()

@@ -26,6 +26,7 @@ from .forward import (
     prefix_key,
     read_answer,
     response_headers,
+    stream_outcome,
     upstream_headers,
 )
 from .metrics import finish_record
@@ -123,6 +124,7 @@ async def forward_messages(
     return ClosingStreamingResponse(
         _relay(tap, record, arrived, end),
         on_close=lambda: end(hung_up),
+        outcome=lambda: stream_outcome(record),
         status_code=200,
         media_type="text/event-stream",
         headers={**response_headers(response), **STREAM_HEADERS},

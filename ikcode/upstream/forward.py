@@ -12,7 +12,7 @@ import anyio
 import httpx
 from fastapi import Request
 
-from ikcode.gateway.edge import unless_client_leaves
+from ikcode.gateway.edge import CLIENT_CLOSED, unless_client_leaves
 from ikcode.gateway.errors import APIError
 
 from .router import NoReplica, Replica, without_credentials
@@ -186,6 +186,15 @@ class StreamEnd:
         finish()
         with anyio.CancelScope(shield=True):
             await aclose_quietly(self.response)
+
+
+def stream_outcome(record: dict[str, Any]) -> int:
+    """The status a relayed stream counts under once closed (ClosingStreamingResponse.outcome):
+    answered, its client left (499), or the replica failed it (529, as the error event said)."""
+    error = record.get("error")
+    if not error:
+        return 200
+    return CLIENT_CLOSED if error == "client disconnected" else 529
 
 
 async def iterate(response: httpx.Response) -> AsyncIterator[bytes]:

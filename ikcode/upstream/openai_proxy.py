@@ -17,7 +17,15 @@ from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.sse import PING, STREAM_HEADERS, ClosingStreamingResponse, sse_event
 
-from .forward import StreamEnd, open_stream, prefix_key, read_answer, response_headers, upstream_headers
+from .forward import (
+    StreamEnd,
+    open_stream,
+    prefix_key,
+    read_answer,
+    response_headers,
+    stream_outcome,
+    upstream_headers,
+)
 from .metrics import finish_record
 from .openai_request import to_chat_request
 from .openai_response import UpstreamUsage, to_anthropic_error, to_message
@@ -97,6 +105,7 @@ async def forward_messages(
     return ClosingStreamingResponse(
         _translate(up, translator, record, arrived, end),
         on_close=lambda: end(hung_up),
+        outcome=lambda: stream_outcome(record),
         media_type="text/event-stream",
         headers=STREAM_HEADERS,
     )

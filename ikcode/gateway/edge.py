@@ -8,6 +8,7 @@ and `context_window`: the gateway's `Gateway` and the upstream's `Upstream` both
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
@@ -61,6 +62,12 @@ class EdgeMiddleware:
         async def counting_send(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                headers = list(message.get("headers") or [])
+                # Every answer names itself, as Anthropic's do (the SDK's `request_id`), unless an
+                # upstream's own id is being passed on.
+                if not any(name.lower() == b"request-id" for name, _ in headers):
+                    headers.append((b"request-id", f"req_{secrets.token_hex(12)}".encode()))
+                    message = {**message, "headers": headers}
             await send(message)
 
         length = dict(scope.get("headers") or []).get(b"content-length")
@@ -185,6 +192,7 @@ def model_info(gw: EdgeState, model_id: str) -> dict[str, Any]:
         "max_input_tokens": gw.context_window,
         "max_tokens": gw.settings.max_output_tokens,
         "max_output_tokens": gw.settings.max_output_tokens,
+        "lifecycle": "active",  # required by the SDK's ModelInfo
     }
 
 

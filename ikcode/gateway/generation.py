@@ -33,6 +33,7 @@ from ikcode.gateway.render import RenderedPrompt
 from ikcode.gateway.reply_builder import ReplyBuilder
 from ikcode.gateway.sse import PING, sse_event
 from ikcode.gateway.state import Gateway
+from ikcode.gateway.tool_formats import TextOnlyParser
 
 logger = logging.getLogger("ikcode.gateway")
 
@@ -84,8 +85,11 @@ class Generation:
         self.record = record
         self.arrived = arrived
         self.submitted = submitted  # handed to the engine (or its admission queue)
-        parser = gw.renderer.tool_format.new_parser(rendered.tools)
-        self.builder = ReplyBuilder(gw.tokenizer, gw.renderer.stop_token_ids, stop_sequences, parser)
+        # No tool may be called: markers the model writes anyway stay text, never a tool_use block.
+        parser = gw.renderer.tool_format.new_parser(rendered.tools) if rendered.tools else TextOnlyParser()
+        self.builder = ReplyBuilder(
+            gw.tokenizer, gw.renderer.stop_token_ids, stop_sequences, parser, one_call=rendered.one_call
+        )
         self.reader = _EventReader(stream)
         self.stats: RequestStats | None = None
         self.first_token_at: float | None = None
@@ -135,13 +139,15 @@ class Generation:
     def _stop_reason(self) -> str:
         if self.builder.stop_sequence is not None:
             return "stop_sequence"
-        if self.builder.called_tool:
-            return "tool_use"
-        if self.finish_reason == FinishReason.LENGTH and "summary_max_tokens" in self.record:
-            # A compaction summary cut at the server's cap is final: "max_tokens" would make
-            # Claude Code ask it to go on, re-reading the conversation for each continuation.
-            return "end_turn"
-        return "max_tokens" if self.finish_reason == FinishReason.LENGTH else "end_turn"
+        if self.finish_reason == FinishReason.LENGTH and not self.builder.one_call_done:
+            # A call cut by the limit has lost arguments: "max_tokens" lets the client recover
+            # where "tool_use" would have it run the truncated call.
+            if "summary_max_tokens" in self.record:
+                # A compaction summary cut at the server's cap is final: "max_tokens" would make
+                # Claude Code ask it to go on, re-reading the conversation for each continuation.
+                return "end_turn"
+            return "max_tokens"
+        return "tool_use" if self.builder.called_tool else "end_turn"
 
     def _message(self, content: list[dict[str, Any]], final: bool) -> dict[str, Any]:
         return {

@@ -76,11 +76,13 @@ class RenderedPrompt:
     # (chain digest, token count) after each segment: equal digests mean equal token prefixes,
     # which lets block hashing resume where an earlier prompt of the conversation ended.
     boundaries: list[tuple[bytes, int]] = field(default_factory=list)
-    tools: list[dict[str, Any]] = field(default_factory=list)  # callable tools, for the reply's parser
+    # The tools the reply may call, for its parser: none under tool_choice "none".
+    tools: list[dict[str, Any]] = field(default_factory=list)
     # Tokens copied from a previous render of the conversation (see previous_render), and that
     # render's token list: both prompts hold the same first reused_tokens tokens.
     reused_tokens: int = 0
     reused_from: list[int] | None = None
+    one_call: bool = False  # tool_choice's disable_parallel_tool_use: at most one call in the reply
 
 
 def assistant_content_key(content: str | list[Any]) -> bytes:
@@ -259,9 +261,10 @@ class Renderer:
             prompt.fresh,
             num_head_boundaries + len(turns),
             prompt.boundaries,
-            specs,
+            [] if getattr(tool_choice, "type", None) == "none" else specs,
             reused_tokens,
             previous.token_ids if previous is not None else None,
+            bool(getattr(tool_choice, "disable_parallel_tool_use", None)),
         )
 
     def _render_head(

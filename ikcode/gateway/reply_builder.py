@@ -62,6 +62,7 @@ class ReplyBuilder:
         stop_token_ids: tuple[int, ...],
         stop_sequences: list[str],
         parser: StreamParser | None = None,
+        one_call: bool = False,
     ):
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids=stop_token_ids)
         self._stops = StopSequenceMatcher(stop_sequences)
@@ -71,7 +72,9 @@ class ReplyBuilder:
         self.content: list[dict[str, Any]] = []
         self._open_text: int | None = None  # index of the text block being written
         self._pending_space = ""  # whitespace not yet worth opening a block for
-        self.done = False  # a stop sequence matched: generate no more
+        self.done = False  # a stop sequence matched, or the one call allowed ended: generate no more
+        self.one_call = one_call  # disable_parallel_tool_use: the reply ends with its first call
+        self.one_call_done = False
 
     @property
     def stop_sequence(self) -> str | None:
@@ -112,6 +115,9 @@ class ReplyBuilder:
                 events += self._tool_delta(item.partial_json)
             elif isinstance(item, ToolCallEnd):
                 events += self._tool_end(item.input)
+                if self.one_call:
+                    self.done = self.one_call_done = True
+                    break  # what follows the call would be more calls: not asked for
             else:
                 events += self._text_events(item.text)
         return events

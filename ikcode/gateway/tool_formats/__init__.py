@@ -15,6 +15,7 @@ from ikcode.gateway.tool_formats.base import (
     ParseEvent,
     ResultItem,
     StreamParser,
+    TextOnlyParser,
     TextPiece,
     ToolArgsDelta,
     ToolCallEnd,
@@ -75,7 +76,8 @@ def tool_format_for(chat_template: str | None, override: str = "") -> ToolFormat
 
 
 __all__ = [
-    "FORMATS", "CallItem", "HermesFormat", "ParseEvent", "ResultItem", "StreamParser", "TextPiece",
-    "ToolArgsDelta", "ToolCallEnd", "ToolCallStart", "ToolFormat", "TurnMarkers", "UnknownToolFormat",
+    "FORMATS", "CallItem", "HermesFormat", "ParseEvent", "ResultItem", "StreamParser", "TextOnlyParser",
+    "TextPiece", "ToolArgsDelta", "ToolCallEnd", "ToolCallStart", "ToolFormat", "TurnMarkers",
+    "UnknownToolFormat",
     "callable_tools", "choice_text", "detect_tool_format", "new_tool_use_id", "tool_format_for",
 ]  # fmt: skip

@@ -59,6 +59,17 @@ class StreamParser(Protocol):
         ...
 
 
+class TextOnlyParser:
+    """The parser of a reply that may call no tool (none listed, or tool_choice "none"): what the
+    model writes stays text, call markers included."""
+
+    def feed(self, text: str) -> list[ParseEvent]:
+        return [TextPiece(text)] if text else []
+
+    def finish(self) -> list[ParseEvent]:
+        return []
+
+
 # -- what the renderer hands a format -------------------------------------------------------------
 @dataclass
 class CallItem:

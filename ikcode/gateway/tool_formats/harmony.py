@@ -67,7 +67,7 @@ def _ts_type(spec: Any) -> str:
             return "object"
         required = spec.get("required") or []
         fields = [
-            f"{name}{'' if name in required else '?'}: \n{_ts_type(field)}"
+            f"{name}{'' if name in required else '?'}: \n{' ' * 16}{_ts_type(field)}"
             for name, field in properties.items()
         ]
         return "{\n" + ", ".join(fields) + "}"
@@ -137,6 +137,8 @@ class HarmonyParser:
         if self._header is not None:  # never reached a message: show what there was
             text = self._header + buf
             self._header = ""
+            if START in text or CHANNEL in text:  # a harmony header cut short: markup, not text
+                return []
             return [TextPiece(text)] if text.strip() else []
         # The reply ends at <|call|> or <|return|> (stop tokens, so not in the text).
         return self._content(buf) + self._close_message(complete=True)
@@ -150,23 +152,25 @@ class HarmonyFormat(ToolFormat):
         text = "# Tools\n\n## functions\n\nnamespace functions {\n\n"
         for tool in tools:
             function = tool["function"]
-            text += f"// {function.get('description', '')}\ntype {function['name']} = ("
+            text += f"// {function.get('description', '')}\ntype {function['name']} = "
             parameters = function.get("parameters") or {}
             properties = parameters.get("properties")
             if not properties:
-                text += "\n}) => any;\n"
+                text += "() => any;\n\n"
                 continue
             required = parameters.get("required") or []
             fields = []
             for name, spec in properties.items():
                 spec = spec if isinstance(spec, dict) else {}
                 optional = "" if name in required else "?"
-                field = f"// {spec.get('description', '')}\n{name}{optional}: {_ts_type(spec)}"
+                field = f"// {spec['description']}\n" if spec.get("description") else ""
+                field += f"{name}{optional}: {_ts_type(spec)}"
                 if "default" in spec:
-                    field += ", // default: " + dumps(spec["default"])
+                    default = str(spec["default"]) if spec.get("enum") else dumps(spec["default"])
+                    field += ", // default: " + default
                 fields.append(field)
-            text += "_: {\n" + ",\n".join(fields) + ",\n}) => any;\n"
-        return text + "\n} // namespace functions"
+            text += "(_: {\n" + ",\n".join(fields) + ",\n}) => any;\n\n"
+        return text + "} // namespace functions"
 
     def call_text(self, call: CallItem) -> str:
         return f" to=functions.{call.name}{CHANNEL}commentary json{MESSAGE}{dumps(call.input)}"

@@ -4,12 +4,15 @@ Markers as vLLM reads them (qwen3coder_tool_parser.py:37-42 @0054011; a paramete
 </parameter>, the next <parameter= or </function>, :56-58); tool list, call and result text as
 the Qwen3-Coder chat template writes them (tests/data/chat_templates/qwen3_coder.jinja). Parameter
 values are raw text, typed by the tool's JSON schema as vLLM's parser does (_convert_param_value,
-:124 on): strings stay text, numbers and booleans are converted, objects and arrays parsed (with
-json_repair when sloppy), and "null" is None.
+:124 on): strings stay text, numbers and booleans are converted (nan and inf stay text: JSON has
+no such number), objects and arrays parsed (with json_repair when sloppy), any other type (a
+union, "any") taken as a Python literal when it is one and kept as text otherwise, and "null" is
+None. Each <function=...> of a <tool_call> is a call of its own, as vLLM finds them all.
 """
 
 from __future__ import annotations
 
+import ast
 import re
 from typing import Any
 
@@ -71,11 +74,18 @@ def convert_value(raw: str, schema: Any) -> Any:
             number = float(raw)
         except ValueError:
             return raw
+        if number != number or number in (float("inf"), float("-inf")):
+            return raw  # vLLM: int(nan/inf) raises, the text stays
         return int(number) if number.is_integer() else number
     if kind in ("boolean", "bool", "binary"):
         return raw.lower() == "true"
-    value = loads_lenient(raw)
-    return raw if value is None or value == "" else value
+    if raw.lstrip()[:1] in ("{", "["):
+        value = loads_lenient(raw)
+        return raw if value is None or value == "" else value
+    try:
+        return ast.literal_eval(raw)  # as vLLM; anything else stays text
+    except Exception:
+        return raw
 
 
 class XmlCallBody:
@@ -84,26 +94,36 @@ class XmlCallBody:
         self.call = CallAssembler()
         self._buf = ""
         self._properties: dict[str, Any] = {}
+        self._closed_calls = 0
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         events: list[ParseEvent] = []
-        if self.call.name is None:
-            match = _FUNCTION.search(self._buf)
-            if match is None:
-                return []
-            name = match.group(1).strip()
-            self._properties = self.schemas.get(name, {})
-            self._buf = self._buf[match.end() :]
-            events += self.call.set_name(name)
-        return events + self._parameters(final=False)
+        while True:
+            if self.call.name is None:
+                match = _FUNCTION.search(self._buf)
+                if match is None:
+                    return events
+                name = match.group(1).strip()
+                self._properties = self.schemas.get(name, {})
+                self._buf = self._buf[match.end() :]
+                events += self.call.set_name(name)
+            events += self._parameters(final=False)
+            end = self._buf.find("</function>")
+            if end < 0 or _FUNCTION.search(self._buf, end) is None:
+                return events  # this function may still go on; only a next <function= ends it here
+            # vLLM reads every <function=...></function> in a <tool_call> as its own call
+            self._buf = self._buf[end + len("</function>") :]
+            events += self.call.close(complete=True) or []
+            self._closed_calls += 1
+            self.call = CallAssembler()
 
     def _parameters(self, final: bool) -> list[ParseEvent]:
         events: list[ParseEvent] = []
         while True:
             start = _PARAMETER.search(self._buf)
-            if start is None:
-                return events
+            if start is None or 0 <= self._buf.find("</function>") < start.start():
+                return events  # none left in this function
             end = _PARAMETER_END.search(self._buf, start.end())
             if end is None and not final:
                 return events
@@ -118,7 +138,9 @@ class XmlCallBody:
     def close(self, closed: bool) -> list[ParseEvent] | None:
         events = self._parameters(final=True) if closed else []
         tail = self.call.close(complete=closed)
-        return None if tail is None else events + tail
+        if tail is None:
+            return events if self._closed_calls else None
+        return events + tail
 
 
 class Qwen3CoderFormat(ToolFormat):
@@ -138,7 +160,7 @@ class Qwen3CoderFormat(ToolFormat):
             for name, fields in (properties or {}).items() if isinstance(properties, dict) else ():
                 text += f"\n<parameter>\n<name>{name}</name>"
                 if isinstance(fields, dict) and "type" in fields:
-                    text += f"\n<type>{_as_text(fields['type'])}</type>"
+                    text += f"\n<type>{fields['type']}</type>"
                 if isinstance(fields, dict) and "description" in fields:
                     text += f"\n<description>{str(fields['description']).strip()}</description>"
                 text += _extra_keys(fields, ("name", "type", "description")) + "\n</parameter>"

@@ -1,0 +1,134 @@
+"""Where qwen3_coder and harmony once parted from their references: vLLM's parsers (read through
+the cited lines) and the models' own templates (tests/data/chat_templates, rendered by jinja2 as
+transformers renders them). Parsing is checked at every split of the reply, as it streams."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ikcode.gateway.tool_formats import FORMATS
+from tests.test_tool_formats import load_template, render_template
+from tests.tool_calls import collect
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": "",
+            "parameters": {"type": "object", "properties": {key: {"type": kind}}},
+        },
+    }
+    for name, key, kind in (
+        ("Read", "path", "string"),
+        ("Bash", "command", "string"),
+        ("Sleep", "s", "number"),
+    )
+]
+
+
+def parse(fmt: str, chunks: list[str], tools: list[dict] = TOOLS) -> tuple[str, list[tuple[str, dict]]]:
+    parser = FORMATS[fmt]().new_parser(tools)
+    events = [event for chunk in chunks for event in parser.feed(chunk)] + parser.finish()
+    text, calls = collect(events)
+    return text, [(call.name, call.input) for call in calls]
+
+
+def parse_every_split(fmt: str, reply: str, tools: list[dict] = TOOLS) -> tuple[str, list]:
+    whole = parse(fmt, [reply], tools)
+    for at in range(len(reply) + 1):
+        assert parse(fmt, [reply[:at], reply[at:]], tools) == whole, reply[:at]
+    return whole
+
+
+def test_qwen3_coder_two_functions_in_one_tool_call_are_two_calls():
+    # vLLM qwen3coder_tool_parser.py: tool_call_function_regex (:54-55), every <function=...> of a
+    # <tool_call> its own call (_get_function_calls). They were merged into one Read with a command.
+    reply = (
+        "<tool_call>\n<function=Read>\n<parameter=path>\na\n</parameter>\n</function>\n"
+        "<function=Bash>\n<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse_every_split("qwen3_coder", reply) == (
+        "",
+        [("Read", {"path": "a"}), ("Bash", {"command": "ls"})],
+    )
+
+
+@pytest.mark.parametrize("raw", ["ls [a-z]*", 'echo {"k": 1} > f.json', "false"])
+def test_qwen3_coder_keeps_a_union_typed_string_as_written(raw):
+    # vLLM's _convert_param_value: json only for objects and arrays, then ast.literal_eval, else the
+    # string as it is. json_repair turned `ls [a-z]*` into ['a-z'].
+    spec = {"type": "object", "properties": {"command": {"type": ["string", "null"]}}}
+    tools = [{"type": "function", "function": {"name": "Bash", "parameters": spec}}]
+    reply = (
+        f"<tool_call>\n<function=Bash>\n<parameter=command>\n{raw}\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse("qwen3_coder", [reply], tools) == ("", [("Bash", {"command": raw})])
+
+
+def test_qwen3_coder_nan_for_a_number_stays_text_so_the_arguments_are_json():
+    parser = FORMATS["qwen3_coder"]().new_parser(TOOLS)
+    reply = "<tool_call>\n<function=Sleep>\n<parameter=s>\nnan\n</parameter>\n</function>\n</tool_call>"
+    events = parser.feed(reply) + parser.finish()
+    partial = "".join(getattr(event, "partial_json", "") for event in events)
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+
+    assert json.loads(partial, parse_constant=refuse) == {"s": "nan"}
+
+
+def test_harmony_reply_cut_in_a_message_header_shows_no_markup():
+    reply = "<|channel|>analysis<|message|>Need a file.<|end|><|start|>assistant<|channel|>comm"
+    text, calls = parse("harmony", [reply])
+    assert "<|" not in text and calls == []
+
+
+def _function(name: str, properties: dict, required: tuple[str, ...] = ()) -> dict:
+    parameters = {"type": "object", "properties": properties, "required": list(required)}
+    return {"type": "function", "function": {"name": name, "description": "D.", "parameters": parameters}}
+
+
+HARMONY_TOOLS = {
+    "two tools": [
+        _function("A", {"x": {"type": "string", "description": "X"}}, ("x",)),
+        _function("B", {"y": {"type": "integer", "description": "Y"}}),
+    ],
+    "no properties": [_function("A", {}), _function("B", {"y": {"type": "integer", "description": "Y"}})],
+    "parameter without description": [_function("A", {"x": {"type": "string"}}, ("x",))],
+    "enum default": [
+        _function("A", {"m": {"type": "string", "enum": ["a", "b"], "default": "a", "description": "M"}})
+    ],
+    "nested object": [
+        _function(
+            "A",
+            {
+                "o": {
+                    "type": "object",
+                    "description": "O",
+                    "properties": {"k": {"type": "string"}, "n": {"type": "number"}},
+                    "required": ["k"],
+                }
+            },
+        )
+    ],
+}
+
+
+@pytest.mark.parametrize("case", list(HARMONY_TOOLS))
+def test_harmony_tool_list_is_the_templates(case):
+    # gpt_oss.jinja: a blank line between tools (:142), `() => any;` without properties (:144), no
+    # comment line for a parameter without description (:118-119), an enum default raw (:129).
+    tools = HARMONY_TOOLS[case]
+    theirs = render_template(load_template("gpt_oss.jinja"), [{"role": "user", "content": "hi"}], tools)
+    assert FORMATS["harmony"]().tools_text(tools) in theirs
+
+
+def test_qwen3_coder_union_type_is_written_as_the_template_writes_it():
+    # qwen3_coder.jinja:51 writes `param_fields.type | string`: a list as Python shows it.
+    spec = {"type": "object", "properties": {"pattern": {"type": ["string", "null"], "description": "Regex"}}}
+    tools = [{"type": "function", "function": {"name": "Grep", "description": "Search.", "parameters": spec}}]
+    theirs = render_template(load_template("qwen3_coder.jinja"), [{"role": "user", "content": "hi"}], tools)
+    assert FORMATS["qwen3_coder"]().tools_text(tools) in theirs

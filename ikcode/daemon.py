@@ -140,7 +140,8 @@ def read_state(clean_stale: bool = True) -> ServerState | None:
         state = ServerState(**json.loads(path.read_text()))
     except (ValueError, TypeError):
         state = None
-    if state is None or not is_our_server(state):
+    # A pid below 2 is no server (kill(-1) signals every process the user may signal).
+    if state is None or not isinstance(state.pid, int) or state.pid < 2 or not is_our_server(state):
         if clean_stale:
             path.unlink(missing_ok=True)
         return None
@@ -268,21 +269,37 @@ def start_background(
     state = ServerState(proc.pid, host, port, url, profile, str(log), time.time(), process_identity(proc.pid))
     write_state(state)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            clear_state(proc.pid)
-            with log.open("rb") as handle:
-                handle.seek(start_offset)
-                ours = handle.read().decode(errors="replace")
-            tail = "\n".join(ours.strip().splitlines()[-15:])
-            raise DaemonError(f"the server exited with code {proc.returncode} while starting:\n{tail}")
-        if health(url, timeout_s=1.0) is not None:
-            return state
-        if on_progress is not None:
-            on_progress(last_log_line(log))
-        time.sleep(0.25)
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                clear_state(proc.pid)
+                with log.open("rb") as handle:
+                    handle.seek(start_offset)
+                    ours = handle.read().decode(errors="replace")
+                tail = "\n".join(ours.strip().splitlines()[-15:])
+                raise DaemonError(f"the server exited with code {proc.returncode} while starting:\n{tail}")
+            if health(url, timeout_s=1.0) is not None:
+                return state
+            if on_progress is not None:
+                on_progress(last_log_line(log))
+            time.sleep(0.25)
+    except (KeyboardInterrupt, SystemExit):
+        # Ctrl-C while it loads: the child runs in a session of its own and would go on serving.
+        _abandon(proc)
+        raise
     stop(timeout_s=10)
     raise DaemonError(f"the server did not become healthy within {timeout_s:.0f} s; see {log}")
+
+
+def _abandon(proc: subprocess.Popen) -> None:
+    """Stop a server whose start was given up, and forget it."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+    clear_state(proc.pid)
 
 
 def stop(timeout_s: float = 60.0) -> ServerState | None:

@@ -161,6 +161,10 @@ def load_profile_file(path: Path, name: str | None = None) -> Profile:
         raise ProfileError(f"profile file not found: {path}") from None
     except tomllib.TOMLDecodeError as err:
         raise ProfileError(f"invalid TOML in profile {path}: {err}") from None
+    except UnicodeDecodeError:
+        raise ProfileError(f"profile {path} is not UTF-8 text") from None
+    except OSError as err:  # a directory, no permission
+        raise ProfileError(f"cannot read profile {path}: {err.strerror or err}") from None
     data.pop("name", None)
     data.pop("source", None)
     try:

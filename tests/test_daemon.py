@@ -3,9 +3,11 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -152,4 +154,29 @@ def test_two_launchers_at_once_share_one_server_and_env_follows_it(tmp_path):
         checked = ikcode("doctor", "--only", "endpoint", "--json", env=proxied)
         assert checked.returncode == 0, checked.stdout + checked.stderr
     finally:
+        ikcode("down")
+
+
+def test_ctrl_c_while_the_server_loads_stops_it(tmp_path):
+    # The child runs in a session of its own: interrupting `ikcode up` left it loading, then serving.
+    profile = str(local_profile(tmp_path, free_port()))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "ikcode", "up", "--profile", profile],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while daemon.read_state() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        state = daemon.read_state()
+        assert state is not None, "the server was never started"
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(60) != 0
+        deadline = time.monotonic() + 30
+        while daemon.pid_alive(state.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not daemon.pid_alive(state.pid), "the server went on after its launcher was interrupted"
+        assert daemon.read_state() is None
+    finally:
+        launcher.kill()
         ikcode("down")

@@ -9,6 +9,7 @@ no-cache read rate); every other published number is a prediction of the model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -97,7 +98,28 @@ class HardwareModel:
             raise ValueError(
                 f"unknown [hardware] keys: {', '.join(unknown)}; known: {', '.join(sorted(known))}"
             )
+        for f in fields(cls):
+            if f.name in data and f.name != "name":
+                _check_figure(f.name, data[f.name], whole=f.type == "int")
         return cls(**data)
+
+
+# Figures that may be 0 (no host tier); fractions that may not exceed 1. Every other figure is > 0.
+_MAY_BE_ZERO = ("host_tier_tokens",)
+_FRACTIONS = ("memory_utilization", "prefill_watermark")
+
+
+def _check_figure(key: str, value: Any, whole: bool) -> None:
+    """A [hardware] figure is a finite number of the right kind and range, or a ValueError that
+    names it (a string, 0 or a negative count would divide by zero or plan negative agents)."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not number or (whole and not isinstance(value, int)) or not math.isfinite(value):
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"[hardware] {key} must be {kind}, got {value!r}")
+    low_ok = value >= 0 if key in _MAY_BE_ZERO else value > 0
+    if not low_ok or (key in _FRACTIONS and value > 1):
+        bound = "in (0, 1]" if key in _FRACTIONS else (">= 0" if key in _MAY_BE_ZERO else "> 0")
+        raise ValueError(f"[hardware] {key} must be {bound}, got {value!r}")
 
 
 def adapter_schedule(profile: Any) -> dict[str, int]:

@@ -41,6 +41,14 @@ class LazyGroup(click.Group):
         module_name, attr = target.split(":")
         return getattr(importlib.import_module(module_name), attr)
 
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except OSError as err:
+            # An unusable IKCODE_HOME, state or log file: one line naming it, not a traceback.
+            where = f" {err.filename}" if err.filename else ""
+            raise click.ClickException(f"cannot use{where}: {err.strerror or err}") from None
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ikcode")

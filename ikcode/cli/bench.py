@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
+
+from ikcode.cli.common import FiniteFloat
 
 
 @click.command("bench")
@@ -14,11 +18,13 @@ import click
     "--simulate", is_flag=True, help="Run against the profile's simulated hardware, not a live endpoint."
 )
 @click.option("--profile", "profile_name", default=None, help="Profile name or TOML path.")
-@click.option("--agents", type=int, default=None, help="Agents (default: 100 simulated, 4 live).")
+@click.option(
+    "--agents", type=click.IntRange(min=1), default=None, help="Agents (default: 100 simulated, 4 live)."
+)
 @click.option(
     "--context",
     "context_tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=None,
     help="Tokens of a conversation's first turn (default: 450000 simulated, 2000 live).",
 )
@@ -32,25 +38,63 @@ import click
 )
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
-    "--duration", "duration_s", type=float, default=None, help="No new turns after this many seconds."
+    "--duration",
+    "duration_s",
+    type=FiniteFloat(min=0, min_open=True),
+    default=None,
+    help="No new turns after this many seconds.",
 )
 @click.option(
-    "--ramp", "ramp_s", type=float, default=None, help="Agents start at random over this many seconds."
+    "--ramp",
+    "ramp_s",
+    type=FiniteFloat(min=0),
+    default=None,
+    help="Agents start at random over this many seconds.",
 )
-@click.option("--tokens-per-step", type=int, default=None, help="Median tokens appended per step.")
-@click.option("--output-tokens", type=int, default=None, help="Median output tokens per turn.")
-@click.option("--tool-pause", "tool_pause_s", type=float, default=None, help="Median tool pause (s).")
-@click.option("--steps-per-conversation", type=int, default=None, help="Turns before a fresh conversation.")
-@click.option("--max-cold-prefills", type=int, default=None, help="Admission knob override.")
-@click.option("--cold-share", type=float, default=None, help="Admission knob override.")
-@click.option("--ttft-bound", "ttft_bound_s", type=float, default=None, help="Admission knob override (s).")
-@click.option("--aging", "aging_s", type=float, default=None, help="Admission knob override (s).")
+@click.option(
+    "--tokens-per-step", type=click.IntRange(min=1), default=None, help="Median tokens appended per step."
+)
+@click.option(
+    "--output-tokens", type=click.IntRange(min=1), default=None, help="Median output tokens per turn."
+)
+@click.option(
+    "--tool-pause", "tool_pause_s", type=FiniteFloat(min=0), default=None, help="Median tool pause (s)."
+)
+@click.option(
+    "--steps-per-conversation",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Turns before a fresh conversation.",
+)
+@click.option(
+    "--max-cold-prefills", type=click.IntRange(min=1), default=None, help="Admission knob override."
+)
+@click.option(
+    "--cold-share", type=FiniteFloat(0, 1, min_open=True), default=None, help="Admission knob override."
+)
+@click.option(
+    "--ttft-bound",
+    "ttft_bound_s",
+    type=FiniteFloat(min=0, min_open=True),
+    default=None,
+    help="Admission knob override (s).",
+)
+@click.option(
+    "--aging", "aging_s", type=FiniteFloat(min=0), default=None, help="Admission knob override (s)."
+)
 @click.option("--no-shed", is_flag=True, help="Never shed cold work (admission knob).")
 @click.option("--base-url", default=None, help="Live endpoint root (default: the profile's).")
 @click.option("--token", default=None, help="Bearer token / API key for the live endpoint.")
 @click.option("--model", default=None, help="Model name sent to the live endpoint (default: the served one).")
-@click.option("--device-tokens", type=int, default=None, help="Device-tier capacity for --trace (tokens).")
-@click.option("--host-tokens", type=int, default=None, help="Host-tier capacity for --trace (tokens).")
+@click.option(
+    "--device-tokens",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Device-tier capacity for --trace (tokens).",
+)
+@click.option(
+    "--host-tokens", type=click.IntRange(min=0), default=None, help="Host-tier capacity for --trace (tokens)."
+)
 @click.option(
     "--trace",
     "trace_path",
@@ -88,6 +132,7 @@ def bench_command(**opts: Any) -> None:
         )
     except ProfileError as err:
         raise click.ClickException(str(err)) from None
+    _check_outputs(opts["json_path"], opts["chart_path"])  # before a run that may take minutes
 
     if opts["trace_path"]:
         policies = opts["policies"] or (str(profile.cache.get("policy", "lru")),)
@@ -139,6 +184,8 @@ def bench_command(**opts: Any) -> None:
     if simulate:
         from ikcode.bench.simulate import run_simulation
 
+        if not profile.hardware:
+            raise click.ClickException(f"profile {profile.name!r} has no [hardware] table to simulate")
         try:
             hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
             schedule = adapter_schedule(profile)
@@ -174,8 +221,9 @@ def bench_command(**opts: Any) -> None:
             raise click.ClickException(str(err)) from None
     else:
         from ikcode.bench.live import run_live
+        from ikcode.cli.serve import running_endpoint
 
-        base_url = opts["base_url"] or profile.base_url
+        base_url = opts["base_url"] or running_endpoint(profile, named=opts["profile_name"] is not None)
         token = opts["token"] or _profile_token(profile)
         console.print(
             f"live: {workload.agents} agents x {workload.context_tokens:,} tokens against {base_url} ..."
@@ -193,6 +241,20 @@ def bench_command(**opts: Any) -> None:
         write_chart(reports, opts["chart_path"], title)
     if any(r["failed"] for r in reports):
         sys.exit(1)
+
+
+def _check_outputs(json_path: str | None, chart_path: str | None) -> None:
+    """Refuse output paths that cannot be written before the run, not after it."""
+    if chart_path and not chart_path.lower().endswith(".png"):
+        raise click.BadParameter(f"{chart_path}: the chart is a PNG (name it *.png)", param_hint="--chart")
+    for option, path in (("--json", json_path), ("--chart", chart_path)):
+        if not path:
+            continue
+        folder = Path(path).resolve().parent
+        if not folder.is_dir():
+            raise click.BadParameter(f"{path}: no folder {folder}", param_hint=option)
+        if not os.access(folder, os.W_OK):
+            raise click.BadParameter(f"{path}: {folder} is not writable", param_hint=option)
 
 
 def _sensitivity(

@@ -173,6 +173,9 @@ def token_command(
     The server reads them at start: restart it (`ikcode down && ikcode up`) after a change.
     """
     restart = "the server reads tokens at start: restart it to apply (`ikcode down && ikcode up`)"
+    actions = [rotate, add_name is not None, revoke_name is not None, list_names]
+    if sum(actions) > 1:
+        raise click.UsageError("give one of --rotate, --add, --revoke, --list at a time")
     if add_name is not None:  # "" too: refused with a reason, not taken for "no option"
         try:
             click.echo(auth.add_team_token(add_name))

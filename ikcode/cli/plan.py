@@ -18,12 +18,14 @@ import click
 @click.option(
     "--context",
     "context_tokens",
-    type=int,
+    type=click.IntRange(min=1),
     default=450_000,
     show_default=True,
     help="Tokens per conversation.",
 )
-@click.option("--agents", type=int, default=100, show_default=True, help="Agents working at once.")
+@click.option(
+    "--agents", type=click.IntRange(min=1), default=100, show_default=True, help="Agents working at once."
+)
 @click.option(
     "--simulate",
     "check",
@@ -47,6 +49,10 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
         profile = load_profile(profile_name)
         if not profile.hardware:
             raise click.ClickException(f"profile {profile.name!r} has no [hardware] table to plan with")
+        if context_tokens > profile.context_window:
+            raise click.ClickException(
+                f"--context {context_tokens:,} is past the profile's {profile.context_window:,}-token window"
+            )
         hw = HardwareModel.from_dict(profile.hardware, name=profile.name)
         schedule = adapter_schedule(profile)
         result = plan(hw, context_tokens, agents, engine_schedule=schedule)

@@ -11,7 +11,7 @@ import httpx
 from rich.console import Console
 
 from ikcode import auth, daemon
-from ikcode.cli.common import profile_option, resolve_profile
+from ikcode.cli.common import FiniteFloat, profile_option, resolve_profile
 from ikcode.profiles import Profile
 
 
@@ -80,7 +80,7 @@ def _ensure_stack(profile: Profile, asked_for: bool) -> str:
 @click.command("up")
 @profile_option
 @click.option("--model", default=None, metavar="PATH", help="A GGUF file or Hugging Face checkpoint dir.")
-@click.option("--port", type=int, default=None, help="Port (default: the profile's).")
+@click.option("--port", type=click.IntRange(1, 65535), default=None, help="Port (default: the profile's).")
 @click.option("--host", default=None, help="Bind address (default: the profile's, 127.0.0.1).")
 @click.option("--foreground", is_flag=True, help="Run in this terminal instead of in the background.")
 def up_command(
@@ -108,7 +108,9 @@ def up_command(
 
 
 @click.command("down")
-@click.option("--timeout", type=float, default=60.0, show_default=True, help="Seconds to drain requests.")
+@click.option(
+    "--timeout", type=FiniteFloat(0, 86400), default=60.0, show_default=True, help="Seconds to drain requests"
+)
 def down_command(timeout: float) -> None:
     """Stop the serving stack (in-flight requests finish first)."""
     state = daemon.stop(timeout_s=timeout)
@@ -165,7 +167,7 @@ def status_command(as_json: bool) -> None:
 
 @click.command("logs")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines.")
-@click.option("-n", "--lines", type=int, default=50, show_default=True)
+@click.option("-n", "--lines", type=click.IntRange(min=0), default=50, show_default=True)
 @click.option("--requests", is_flag=True, help="Show the per-request log (JSON lines) instead.")
 def logs_command(follow: bool, lines: int, requests: bool) -> None:
     """Show the server log (or the per-request log)."""
@@ -173,7 +175,7 @@ def logs_command(follow: bool, lines: int, requests: bool) -> None:
     if not path.exists():
         raise click.ClickException(f"no log yet at {path}")
     with path.open("r", errors="replace") as handle:
-        for line in handle.readlines()[-lines:]:
+        for line in handle.readlines()[-lines:] if lines else []:
             click.echo(line, nl=False)
         while follow:
             line = handle.readline()

@@ -77,7 +77,12 @@ def team_tokens() -> dict[str, str]:
         return {}
     import json
 
-    data = json.loads(path.read_text(encoding="utf-8") or "{}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8") or "{}")
+        if not isinstance(data, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as err:
+        raise ValueError(f"{path} is not a token file ({err}): fix it or remove it") from None
     return {str(name): str(token) for name, token in data.items()}
 
 

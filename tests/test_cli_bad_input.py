@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
-from ikcode import daemon
+from ikcode import auth, daemon
 from ikcode.cli import main
 from ikcode.profiles import shipped_profiles_dir
 
@@ -94,3 +94,33 @@ def test_logs_with_no_lines_prints_none():
     daemon.log_file().write_text("one\ntwo\n")
     assert run("logs", "-n", "0").output == ""  # printed every line
     assert run("logs", "-n", "1").output == "two\n"
+
+
+def test_a_damaged_token_file_is_named():
+    auth.team_tokens_path().parent.mkdir(parents=True, exist_ok=True)
+    auth.team_tokens_path().write_text("{not json")
+    for args in (["token", "--list"], ["token", "--revoke", "bob"], ["token", "--add", "bob"]):
+        result = run(*args)
+        assert result.exit_code == 1 and f"{auth.team_tokens_path()} is not a token file" in result.output
+
+
+@pytest.mark.parametrize("mode", [["--trace", "trace.jsonl"], ["--simulate", "--sensitivity"]])
+def test_a_chart_where_none_is_drawn_is_refused(tmp_path, mode):
+    (tmp_path / "trace.jsonl").write_text("")
+    args = [str(tmp_path / a) if a.endswith(".jsonl") else a for a in mode]
+    result = run("bench", *args, "--chart", str(tmp_path / "c.png"))  # was silently ignored
+    assert result.exit_code == 2 and "--chart draws a run's TTFT" in result.output
+
+
+def test_a_claude_binary_that_is_a_folder_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("IKCODE_CLAUDE_BIN", str(tmp_path))  # PermissionError traceback from exec
+    from ikcode.launcher.claude import LauncherError, find_claude
+
+    with pytest.raises(LauncherError, match="is not an executable file"):
+        find_claude()
+
+
+def test_plan_and_bench_take_p_for_the_profile():
+    assert run("plan", "-p", "deepinfer-4xb200", "--context", "100000", "--agents", "10").exit_code == 0
+    result = run("bench", "-p", "local", "--simulate")
+    assert result.exit_code == 1 and "has no [hardware] table" in result.output

@@ -17,7 +17,7 @@ from ikcode.cli.common import FiniteFloat
 @click.option(
     "--simulate", is_flag=True, help="Run against the profile's simulated hardware, not a live endpoint."
 )
-@click.option("--profile", "profile_name", default=None, help="Profile name or TOML path.")
+@click.option("--profile", "-p", "profile_name", default=None, help="Profile name or TOML path.")
 @click.option(
     "--agents", type=click.IntRange(min=1), default=None, help="Agents (default: 100 simulated, 4 live)."
 )
@@ -134,6 +134,8 @@ def bench_command(**opts: Any) -> None:
         raise click.ClickException(str(err)) from None
     _check_outputs(opts["json_path"], opts["chart_path"])  # before a run that may take minutes
 
+    if opts["chart_path"] and (opts["trace_path"] or opts["sensitivity"]):
+        raise click.UsageError("--chart draws a run's TTFT: not with --trace or --sensitivity (use --json)")
     if opts["trace_path"]:
         policies = opts["policies"] or (str(profile.cache.get("policy", "lru")),)
         if "fifo" in policies:

@@ -184,13 +184,21 @@ def token_command(
         click.echo(restart, err=True)  # stdout holds the token alone, for scripts
         return
     if revoke_name is not None:
-        if not auth.revoke_team_token(revoke_name):
+        try:
+            revoked = auth.revoke_team_token(revoke_name)
+        except ValueError as err:  # a damaged tokens.json: say which file
+            raise click.ClickException(str(err)) from None
+        if not revoked:
             raise click.ClickException(f"no token named {revoke_name!r}")
         click.echo(f"revoked {revoke_name}")
         click.echo(restart, err=True)
         return
     if list_names:
-        for name, token in auth.team_tokens().items():
+        try:
+            named = auth.team_tokens()
+        except ValueError as err:  # a damaged tokens.json: say which file
+            raise click.ClickException(str(err)) from None
+        for name, token in named.items():
             click.echo(f"{name}\t{auth.redact(token)}")
         return
     token = auth.rotate_token() if rotate else auth.load_or_create_token()

@@ -10,6 +10,7 @@ import click
 @click.command("plan")
 @click.option(
     "--profile",
+    "-p",
     "profile_name",
     default="deepinfer-4xb200",
     show_default=True,

@@ -111,7 +111,7 @@ def mapping_for(profile: Profile, base_url: str | None = None, discover: bool = 
 def find_claude() -> str:
     explicit = os.environ.get("IKCODE_CLAUDE_BIN")
     if explicit:
-        if not os.access(explicit, os.X_OK):
+        if not os.path.isfile(explicit) or not os.access(explicit, os.X_OK):
             raise LauncherError(f"IKCODE_CLAUDE_BIN={explicit} is not an executable file")
         return explicit
     found = shutil.which("claude")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ikcode import auth, daemon
+from ikcode.cache.policy import make_policy
 from ikcode.engines.base import Engine
 from ikcode.model.errors import ModelLoadError
 from ikcode.profiles import Profile
@@ -94,6 +95,7 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
         )
     try:  # before loading anything: a bad knob must not leave an engine running
         admission = AdmissionConfig.from_dict(profile.admission)
+        check_cache_table(profile.cache)
     except (TypeError, ValueError) as err:
         raise daemon.DaemonError(f"profile {profile.source}: {err}") from None
     session_limit = _session_limit(profile)
@@ -108,6 +110,15 @@ def build_stack(profile: Profile, model_path: str | None = None) -> Stack:
     controller.start()
     window = min(profile.context_window, engine.info.context_window)
     return Stack(controller, tokenizer, window, description)
+
+
+def check_cache_table(cache: dict[str, Any]) -> None:
+    """The [cache] values the serving stack reads, checked before the model loads (a policy name
+    or a size of the wrong kind used to fail only after it)."""
+    make_policy(str(cache.get("policy", "lru")))  # ValueError naming the known ones
+    host_mb = cache.get("host_cache_mb", 0)
+    if isinstance(host_mb, bool) or not isinstance(host_mb, int) or host_mb < 0:
+        raise ValueError(f"[cache] host_cache_mb must be a whole number of MB >= 0, got {host_mb!r}")
 
 
 def _session_limit(profile: Profile) -> Callable[[int], int] | None:

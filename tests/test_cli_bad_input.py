@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from ikcode import auth, daemon
 from ikcode.cli import main
 from ikcode.profiles import shipped_profiles_dir
+from tests.serving import free_port
 
 
 def run(*args: str):
@@ -124,3 +125,25 @@ def test_plan_and_bench_take_p_for_the_profile():
     assert run("plan", "-p", "deepinfer-4xb200", "--context", "100000", "--agents", "10").exit_code == 0
     result = run("bench", "-p", "local", "--simulate")
     assert result.exit_code == 1 and "has no [hardware] table" in result.output
+
+
+@pytest.mark.parametrize(
+    "table,says",
+    [
+        ('[cache]\npolicy = "mru"', "unknown cache policy 'mru'"),  # failed after the model loaded
+        ('[cache]\nhost_cache_mb = "lots"', "[cache] host_cache_mb must be a whole number"),
+        ('[admission]\nttft_bound_s = "x"', "[admission] ttft_bound_s must be a number, got 'x'"),  # taken
+    ],
+    ids=["policy", "host_cache_mb", "ttft_bound_s"],
+)
+def test_a_bad_cache_or_admission_value_is_refused_before_the_model_loads(tmp_path, table, says):
+    text = (shipped_profiles_dir() / "local.toml").read_text()
+    section, line = table.split("\n")
+    key = line.split(" = ")[0]
+    kept = [row for row in text.splitlines() if not row.startswith(f"{key} =")]
+    text = "\n".join(kept).replace(section, table, 1)
+    profile = tmp_path / "bad.toml"
+    profile.write_text(text)
+    result = run("up", "--foreground", "--profile", str(profile), "--port", str(free_port()))
+    assert result.exit_code == 1 and says in result.output, result.output
+    assert "loading model" not in daemon.log_file().read_text() if daemon.log_file().exists() else True

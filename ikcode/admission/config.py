@@ -5,6 +5,7 @@ The profile's `[admission]` table maps onto these fields one to one (`AdmissionC
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -87,4 +88,23 @@ class AdmissionConfig:
         if unknown:
             names = ", ".join(sorted(known))
             raise ValueError(f"unknown [admission] keys: {', '.join(unknown)}; known: {names}")
+        for f in fields(cls):
+            if f.name in data:
+                _check_kind(f.name, data[f.name], str(f.type))
         return cls(**data)
+
+
+def _check_kind(key: str, value: Any, annotation: str) -> None:
+    """An [admission] value of the kind its knob takes ("x" for a number of seconds was taken,
+    and failed only when a request compared with it)."""
+    if annotation in ("float", "int"):
+        whole = annotation == "int"
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (whole and not isinstance(value, int)) or not math.isfinite(value):
+            raise ValueError(
+                f"[admission] {key} must be {'a whole number' if whole else 'a number'}, got {value!r}"
+            )
+    elif annotation == "bool" and not isinstance(value, bool):
+        raise ValueError(f"[admission] {key} must be true or false, got {value!r}")
+    elif annotation == "str" and not isinstance(value, str):
+        raise ValueError(f"[admission] {key} must be a string, got {value!r}")

@@ -27,7 +27,7 @@ from ikcode.admission import AdmissionConfig
 from ikcode.admission.policy import AdmissionPolicy, Ticket
 from ikcode.engines.base import CacheLookup
 
-from .router import MAX_SESSIONS, shown_url
+from .router import forget_least_recent, shown_url
 
 _PRIOR_TOKENS_PER_BYTE = 0.3  # JSON-wrapped code and English: ~3.3 bytes per token
 
@@ -109,11 +109,7 @@ class UpstreamAdmission:
         return ticket
 
     def _forget_idle(self, now: float) -> None:
-        while self.sessions:
-            oldest = next(iter(self.sessions.values()))
-            if now - oldest.last_seen <= self.config.session_memory_s and len(self.sessions) <= MAX_SESSIONS:
-                return
-            self.sessions.popitem(last=False)
+        forget_least_recent(self.sessions, now, lambda memory: memory.last_seen, self.config.session_memory_s)
 
     def _pump(self, replica_url: str) -> None:
         for ticket in self.policies[replica_url].admit(time.monotonic()):

@@ -15,7 +15,9 @@ import re
 import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 # New sessions follow their prefix's replica until it holds this many more sessions than another.
@@ -25,6 +27,8 @@ SESSION_SLACK = 2
 # session ids come from a client header, so memory must not grow with every id ever sent.
 SESSION_MEMORY_S = 3600.0
 MAX_SESSIONS = 10_000
+
+V = TypeVar("V")
 
 
 @dataclass
@@ -61,6 +65,21 @@ def without_credentials(text: str) -> str:
     """text (an error message naming a URL) with every URL shown as shown_url shows it: no user,
     password or query."""
     return _URL.sub(lambda match: shown_url(match.group(0)), text)
+
+
+def forget_least_recent(
+    entries: OrderedDict[str, V], now: float, last_seen: Callable[[V], float], max_age_s: float
+) -> list[tuple[str, V]]:
+    """Drop, least recently seen first, the entries idle past max_age_s and any past MAX_SESSIONS
+    (entries is kept in the order last seen); returns what was dropped."""
+    dropped: list[tuple[str, V]] = []
+    while entries:
+        key, value = next(iter(entries.items()))
+        if now - last_seen(value) <= max_age_s and len(entries) <= MAX_SESSIONS:
+            break
+        del entries[key]
+        dropped.append((key, value))
+    return dropped
 
 
 class NoReplica(Exception):
@@ -149,13 +168,11 @@ class Router:
         return entry[0] if entry is not None else None
 
     def _forget_idle(self, now: float) -> None:
-        """Drop sessions idle past SESSION_MEMORY_S, and the least recent past MAX_SESSIONS (a
-        forgotten session is placed anew by its prefix, most likely on the same replica)."""
-        while self.session_replica:
-            session_id, (replica, last) = next(iter(self.session_replica.items()))
-            if now - last <= SESSION_MEMORY_S and len(self.session_replica) <= MAX_SESSIONS:
-                return
-            del self.session_replica[session_id]
+        """Sessions idle past SESSION_MEMORY_S, or the least recent past MAX_SESSIONS, are
+        forgotten (placed anew by their prefix next time, most likely on the same replica)."""
+        for session_id, (replica, _) in forget_least_recent(
+            self.session_replica, now, lambda entry: entry[1], SESSION_MEMORY_S
+        ):
             replica.sessions.discard(session_id)
 
     def url_of(self, name: str | None) -> str | None:

@@ -36,9 +36,7 @@ def attach_pages(name: str, first_page: int, num_pages: int, page_bytes: int) ->
     """Pages [first_page, first_page + num_pages) of the pool, as a [num_pages, page_bytes] uint8 tensor."""
     import torch
 
-    shm = shared_memory.SharedMemory(name=name)
-    # The gateway process owns the segment; the tracker must not unlink it when a rank exits.
-    resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    shm = _map_without_owning(name)
     _attached.append(shm)
     pages = torch.frombuffer(shm.buf, dtype=torch.uint8).view(-1, page_bytes)
     mine = pages[first_page : first_page + num_pages]
@@ -50,3 +48,21 @@ def attach_pages(name: str, first_page: int, num_pages: int, page_bytes: int) ->
     except Exception:  # not pinned: copies still work, through pageable memory
         pass
     return mine
+
+
+def _map_without_owning(name: str) -> Any:
+    """Map the gateway's segment without taking it over: the gateway unlinks it at close, and
+    its resource tracker unlinks it if the gateway dies first. A rank spawned by the gateway
+    shares that tracker (multiprocessing hands the tracker's pipe to spawned children), whose
+    registry is a set: the rank's own registration is a duplicate, and an unregister from the rank
+    would remove the gateway's (the segment then outlived a killed gateway). Only a rank with a
+    tracker of its own must unregister, or its tracker unlinks the segment when the rank exits."""
+    try:
+        return shared_memory.SharedMemory(name=name, track=False)  # Python >= 3.13: no registration
+    except TypeError:
+        pass
+    shares_gateway_tracker = resource_tracker._resource_tracker._fd is not None  # noqa: SLF001
+    shm = shared_memory.SharedMemory(name=name)
+    if not shares_gateway_tracker:
+        resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
+    return shm

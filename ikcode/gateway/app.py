@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ikcode.auth import OWNER
@@ -156,7 +157,8 @@ def create_app(
     async def metrics_route(request: Request) -> Response:
         async def handler() -> Response:
             user = authenticate(gw, request)
-            text = generate_latest(metrics.registry)
+            # Off the event loop: the scrape asks the engine, which may answer only between steps.
+            text = await run_in_threadpool(generate_latest, metrics.registry)
             if user is not None and user != OWNER:  # as /health: other users' figures are not theirs
                 text = b"".join(line for line in text.splitlines(keepends=True) if PER_USER not in line)
             return Response(text, media_type=CONTENT_TYPE_LATEST)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import replace
@@ -18,6 +19,7 @@ from ikcode.engines.base import (
     EngineRequest,
     PromptBlockHashes,
     PromptTooLong,
+    RequestStream,
     SamplingParams,
 )
 from ikcode.gateway.compaction import is_summary_request
@@ -160,6 +162,24 @@ def _render_and_lookup(
     return rendered, gw.engine.lookup(rendered.token_ids, salt, hashes), hashes
 
 
+async def submit_off_loop(engine: Any, engine_request: EngineRequest) -> RequestStream:
+    """engine.submit on a worker thread: an engine may ask its workers first (a DeepInfer rank
+    answers between steps, and a prefill chunk is seconds of one card), and the event loop must
+    keep serving every other stream meanwhile. A handler cancelled while it waits (the client
+    left) aborts the request the engine then took: nothing runs for nobody."""
+    task = asyncio.ensure_future(run_in_threadpool(engine.submit, engine_request))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.add_done_callback(_abort_if_submitted)
+        raise
+
+
+def _abort_if_submitted(task: asyncio.Future) -> None:
+    if not task.cancelled() and task.exception() is None:
+        task.result().abort()
+
+
 async def create_message(gw: Gateway, request: Request, body: MessagesRequest, user: str | None) -> Response:
     arrived = time.monotonic()
     request_id = new_message_id()
@@ -213,7 +233,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         check_draining(gw)  # the drain may have begun while this prompt was rendered
         submitted = time.monotonic()
         try:
-            stream = gw.engine.submit(engine_request)
+            stream = await submit_off_loop(gw.engine, engine_request)
         except EngineError as error:
             raise from_engine_error(error) from None
     except APIError as error:

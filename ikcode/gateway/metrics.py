@@ -124,11 +124,15 @@ class GatewayMetrics:
         self.user_cached_tokens = Counter(
             PER_USER.decode() + "cached_tokens", "prompt tokens from cache by user", ["user"], registry=r
         )
+        self._own = (self.prompt_tokens, self.cached_tokens, self.generated_tokens)
+        self._own += (self.compactions, self.compaction_tokens)
         r.register(_LiveCollector(engine, extra))
 
     def totals(self) -> dict[str, float]:
-        """Running totals for /health and `ikcode status`."""
-        get = self.registry.get_sample_value
+        """Running totals for /health and `ikcode status`: read from the gateway's own metrics,
+        not the registry, whose scrape also asks the engine (a DeepInfer rank answers between
+        its steps, seconds apart under a long prefill: /health must not wait for that)."""
+        get = self._own_sample
         prompt = get("ikcode_prompt_tokens_total") or 0.0
         device = get("ikcode_cached_tokens_total", {"tier": "device"}) or 0.0
         host = get("ikcode_cached_tokens_total", {"tier": "host"}) or 0.0
@@ -142,8 +146,17 @@ class GatewayMetrics:
             **self._compaction_totals(),
         }
 
+    def _own_sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
+        """registry.get_sample_value(name, labels) over this gateway's own metrics only."""
+        for metric in self._own:
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.name == name and sample.labels == (labels or {}):
+                        return sample.value
+        return None
+
     def _compaction_totals(self) -> dict[str, Any]:
-        get = self.registry.get_sample_value
+        get = self._own_sample
         out: dict[str, Any] = {"compactions": int(get("ikcode_compactions_total") or 0)}
         for kind in ("prompt", "cached", "output"):
             value = get("ikcode_compaction_tokens_total", {"kind": kind})

@@ -51,6 +51,7 @@ ENV_BLOCKS = "IKCODE_DEEPINFER_CPU_BLOCKS"  # KV blocks of 128 tokens per rank
 ENV_WINDOW = "IKCODE_DEEPINFER_CPU_WINDOW"  # sliding window, tokens
 ENV_EOS_AFTER = "IKCODE_DEEPINFER_CPU_EOS_AFTER"  # emit EOS after this many output tokens (0 = never)
 ENV_FAIL_STATE_READ = "IKCODE_DEEPINFER_CPU_FAIL_STATE_READ"  # "1": the state-slice read raises (fault test)
+ENV_STEP_SECONDS = "IKCODE_DEEPINFER_CPU_STEP_SECONDS"  # each forward with real rows takes at least this long
 BLOCK_TOKENS = 128
 EXTRA_STATE_TOKENS = 128  # DEEPINFER_PREFILL_STORE_EXTRA_SIZE's default (environ.py:164)
 VOCAB = 1024

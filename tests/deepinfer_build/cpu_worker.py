@@ -9,6 +9,7 @@ window from its state slot, so its tokens are right only when the pages and the 
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ from .cpu_runtime import (
     ENV_BLOCKS,
     ENV_EOS_AFTER,
     ENV_FAIL_STATE_READ,
+    ENV_STEP_SECONDS,
     ENV_WINDOW,
     EXTRA_STATE_TOKENS,
     kv_value,
@@ -122,6 +124,8 @@ class CpuModelRunner:
 
         next_tokens: list[int] = []
         real = [m for m in seq_metadata_list if not m.is_placeholder]
+        if real:  # a step as long as a real card's (e.g. a 128K-token prefill chunk)
+            time.sleep(float(os.environ.get(ENV_STEP_SECONDS, "0")))
         assert len(real) == len(self.scheduled) or not real, (len(real), len(self.scheduled))
         for meta, seq in zip(real, self.scheduled, strict=False):
             assert meta.request_id == seq.request_id

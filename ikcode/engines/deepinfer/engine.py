@@ -291,6 +291,9 @@ class DeepInferEngine:
             return future.result(timeout=RPC_TIMEOUT_S)
         except OSError as err:
             raise EngineError(f"deepinfer rank {r.rank} is gone: {err}") from None
+        except TimeoutError:  # concurrent.futures' (an alias of the built-in since 3.11)
+            waited = f"{RPC_TIMEOUT_S:.0f} s"
+            raise EngineError(f"deepinfer rank {r.rank} did not answer {name!r} in {waited}") from None
         finally:
             self._calls.pop(call_id, None)
 

@@ -84,3 +84,39 @@ def test_compaction_is_capped_logged_and_counted(engine, tokenizer, tmp_path):
         health["compaction_cached_tokens"] == summary["cached_tokens_device"] + summary["cached_tokens_host"]
     )
     assert health["last_compaction_ttft_ms"] == summary["ttft_ms"]
+
+
+def test_a_summary_cut_by_the_window_is_final_and_a_refused_one_is_logged(engine, tokenizer, tmp_path):
+    """Near the window the room left, not summary_max_tokens, ends the summary: still "end_turn"
+    (with "max_tokens" Claude Code asks it to go on, re-reading the conversation, then fails the
+    turn). A summary request past the window is refused and still logged as a compaction."""
+    cap = 100
+    server = serve(NeverStops(engine), tokenizer, tmp_path, summary_max_tokens=cap)
+    window = server.server.config.app.state.gateway.context_window
+    try:
+
+        def summary_of(words: int) -> dict:
+            said = " ".join(f"w{i}" for i in range(words))
+            messages = [{"role": "user", "content": said}, TURNS[1], {"role": "user", "content": SUMMARY}]
+            return {"model": "tiny", "max_tokens": 200, "messages": messages}
+
+        def prompt_tokens(body: dict) -> int:
+            return post(server, body, path="/v1/messages/count_tokens").json()["input_tokens"]
+
+        words = 10
+        while prompt_tokens(summary_of(words)) < window - cap // 2:  # less room than the cap
+            words += 10
+        near, too_long = summary_of(words), summary_of(words + window)
+        assert window - cap < prompt_tokens(near) < window
+        reply = post(server, near)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["stop_reason"] == "end_turn"
+        assert reply.json()["usage"]["output_tokens"] == window - prompt_tokens(near)
+        assert post(server, too_long).status_code == 400
+        wait_idle(engine)
+        log = server.server.config.app.state.gateway.settings.request_log_path
+        near_line, refused_line = [json.loads(line) for line in log.read_text().splitlines()][-2:]
+    finally:
+        server.stop()
+    assert near_line["compaction"] is True and near_line["summary_max_tokens"] < cap
+    assert refused_line["compaction"] is True and refused_line["status"] == 400

@@ -205,19 +205,25 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         )
         # Others may have started while this one rendered.
         check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
+        summary = is_summary_request(body)
+        if summary:  # a compaction: a cold read of the whole conversation and a long summary
+            record["compaction"] = True  # logged as such, refused or not
         prompt_tokens = len(rendered.token_ids)
         if prompt_tokens >= gw.context_window:
             raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))
         # The reply cannot run past the context window.
-        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, gw.context_window - prompt_tokens))
-        if is_summary_request(body):
-            # A compaction: a cold read of the whole conversation and a long summary. Logged as
-            # such, and its output capped (the client keeps whatever summary it gets).
-            record["compaction"] = True
+        room = gw.context_window - prompt_tokens
+        if summary:
+            # Its output capped by the server (summary_max_tokens) or by the window: either way
+            # the summary is final. Claude Code keeps what it gets with "end_turn"; "max_tokens"
+            # has it ask for more, re-reading the conversation each time, then fail the turn.
             cap = gw.settings.summary_max_tokens
-            if cap is not None and sampling.max_tokens > cap:
-                record["summary_max_tokens"] = cap
-                sampling = replace(sampling, max_tokens=cap)
+            limit = min(room, cap if cap is not None else room)
+            if sampling.max_tokens > limit:
+                record["summary_max_tokens"] = limit
+        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, room))
+        if "summary_max_tokens" in record:
+            sampling = replace(sampling, max_tokens=record["summary_max_tokens"])
         # An agent step (a session with tools) usually comes back within seconds, after its tool
         # runs: ask the cache to keep that session's tail on the device for a bounded time.
         hold = gw.settings.session_hold_s if (session_id and body.tools) else None

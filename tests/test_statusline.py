@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 from pathlib import Path
@@ -102,3 +103,25 @@ def test_settings_write_installs_a_status_line_that_runs(tmp_path, monkeypatch, 
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "smollm2-135m-instruct · cache 80% device · queue 3 ms · TTFT 350 ms\n"
+
+
+def test_the_installed_status_line_reads_the_log_of_its_own_home(
+    tmp_path, monkeypatch, project
+):
+    """Installed with IKCODE_HOME set (a server on its own home and port), run from a shell
+    without it: it still reads that server's request log."""
+    home = tmp_path / "ikcode-home"
+    monkeypatch.setenv("IKCODE_HOME", str(home))
+    monkeypatch.chdir(project)
+    result = CliRunner().invoke(main, ["settings", "--write", "--statusline"])
+    assert result.exit_code == 0, result.output
+    command = json.loads((project / ".claude" / "settings.local.json").read_text())["statusLine"]["command"]
+    from ikcode import daemon
+
+    log = daemon.request_log_file()
+    log.parent.mkdir(parents=True, exist_ok=True)
+    write_log(log, record(cached_tokens_device=800))
+    env = {k: v for k, v in os.environ.items() if k != "IKCODE_HOME"}
+    proc = subprocess.run(command, shell=True, input=CLIENT_JSON, capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "cache 80% device" in proc.stdout

@@ -25,8 +25,13 @@ base_url_option = click.option(
 
 
 def statusline_command() -> str:
-    """How Claude Code runs `ikcode statusline`: this interpreter, so no PATH lookup is needed."""
-    return f"{shlex.quote(sys.executable)} -m ikcode statusline"
+    """How Claude Code runs `ikcode statusline`: this interpreter, so no PATH lookup is needed,
+    and the request log of this IKCODE_HOME, so a claude started from a shell without it still
+    reads the server it talks to."""
+    from ikcode import daemon
+
+    log = shlex.quote(str(daemon.request_log_file().resolve()))
+    return f"{shlex.quote(sys.executable)} -m ikcode statusline --log {log}"
 
 
 def _guess_shell() -> str:

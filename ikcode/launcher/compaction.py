@@ -7,7 +7,8 @@ turn either compacts, refuses with `blocking_limit`, or goes on), clients 2.1.19
   prints a warning at every start. On 2.1.332 it changes nothing measurable; on 2.1.197 it makes
   the client refuse the turn (`terminal_reason: blocking_limit`, exit 1) at
   window - max output - 3,000 tokens instead of compacting. So it is not set.
-- CLAUDE_CODE_MAX_CONTEXT_TOKENS is the window the client believes (its `contextWindow`).
+- CLAUDE_CODE_MAX_CONTEXT_TOKENS: 2.1.332 reads it only when DISABLE_COMPACT is set; otherwise its
+  `contextWindow` (/context, the status line JSON) stays 1M. Set anyway, for the clients that read it.
 - CLAUDE_CODE_BLOCKING_LIMIT_OVERRIDE: on 2.1.332 (with the window above) a conversation at or
   past this many tokens is compacted before the next request is sent; without it that happens at
   window - max output - 3,000 (51% of an 8K window, 97% of 128K). On 2.1.197 it has no effect

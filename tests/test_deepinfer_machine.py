@@ -66,7 +66,9 @@ def test_profile_becomes_the_adapter_settings_and_environment():
     config = DeepInferConfig.from_profile(load_profile("deepinfer-4xb200"), "/models/dsv4")
     assert (config.model, config.data_parallel_size, config.max_model_len) == ("/models/dsv4", 4, 1048576)
     assert config.max_num_seqs == 256 and config.gpu_memory_utilization == 0.9
-    assert config.host_tier_blocks_per_rank > 0
+    # host_cache_mb = 262144 holds the pages and the window snapshots (8 GiB of it), per rank:
+    assert config.snapshot_bytes_per_rank == 8192 * 1024**2 // 4
+    assert config.host_tier_bytes_per_rank == (262144 - 8192) * 1024**2 // 4
     env = config.process_environment(2)  # rank 2's process: one GPU, the rendezvous address
     assert env["CUDA_VISIBLE_DEVICES"] == "2"
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29500")

@@ -60,3 +60,48 @@ def test_eviction_keeps_prefill_admission_above_the_watermark(tmp_path):
         assert_no_leaks([check])
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_window_snapshots_go_with_their_keys_and_stay_within_their_budget(tmp_path):
+    """Each committed resume point keeps the window state at its 128 boundary, in host memory
+    outside both tiers. A snapshot whose block left both tiers serves nothing: it must go (40
+    conversations through 96 blocks and 16 host pages left 28 of 40 for keys no tier held), and
+    all of them stay within snapshot_bytes_per_rank."""
+    engine = real_engine(tmp_path, blocks=96, host_tier_blocks_per_rank=16, prime_min_tokens=0)
+    try:
+        for i in range(40):
+            assert finished_normally(run(engine, f"r{i}", random_tokens(700, 100 + i), max_tokens=8)[1])
+        (check,) = wait_quiet(engine)
+        assert engine.cache_stats()["prefix_cache_dropped_blocks_total"] > 0  # keys did leave both tiers
+        assert check["snapshots"] > 0
+        assert check["snapshots_lost_keys"] == 0, check
+        size = check["snapshot_bytes"] // check["snapshots"]
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+    budget = 3 * size  # room for three snapshots
+    small = real_engine(tmp_path / "small", blocks=96, prime_min_tokens=0, snapshot_bytes_per_rank=budget)
+    try:
+        for i in range(8):
+            run(small, f"s{i}", random_tokens(700, 200 + i), max_tokens=8)
+        (check,) = wait_quiet(small)
+        assert 0 < check["snapshot_bytes"] <= budget, check
+        # the latest conversation's resume point is among the kept ones: its next turn hits
+        last = random_tokens(700, 207)
+        _, final = run(small, "s7-again", last + random_tokens(300, 9), max_tokens=4)
+        assert final.stats.cached_tokens_device >= 512, final.stats
+    finally:
+        small.shutdown(drain_timeout_s=5)
+
+
+def test_the_host_tier_is_sized_by_the_measured_page(tmp_path):
+    """host_tier_bytes_per_rank is divided by the page each rank measured (one row of its
+    gpu_blocks), not by the profile's estimate: the pool allocated stays within the bytes."""
+    budget = 1_000_000
+    engine = real_engine(tmp_path, ranks=2, blocks=96, host_tier_bytes_per_rank=budget)
+    try:
+        page = int(engine.ranks[0].info["page_bytes"])
+        assert engine.host_pool is not None
+        assert engine.host_pool.page_bytes == page
+        assert engine.host_pool.num_pages == 2 * (budget // page)
+    finally:
+        engine.shutdown(drain_timeout_s=5)

@@ -105,9 +105,7 @@ def test_settings_write_installs_a_status_line_that_runs(tmp_path, monkeypatch, 
     assert proc.stdout == "smollm2-135m-instruct · cache 80% device · queue 3 ms · TTFT 350 ms\n"
 
 
-def test_the_installed_status_line_reads_the_log_of_its_own_home(
-    tmp_path, monkeypatch, project
-):
+def test_the_installed_status_line_reads_the_log_of_its_own_home(tmp_path, monkeypatch, project):
     """Installed with IKCODE_HOME set (a server on its own home and port), run from a shell
     without it: it still reads that server's request log."""
     home = tmp_path / "ikcode-home"

@@ -54,6 +54,7 @@ class PrefixCache:
         bytes_per_block: int = 0,
         clock: Callable[[], float] = time.monotonic,
         ghost_capacity: int | None = None,
+        on_dropped: Callable[[BlockHash], None] | None = None,
     ):
         if block_size <= 0:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -71,6 +72,9 @@ class PrefixCache:
         cap = ghost_capacity if ghost_capacity is not None else cap
         self.ghost = GhostList(cap)
         self._seqs: dict[str, _Sequence] = {}
+        # Told when a key leaves a tier with no copy kept below it (what an engine keeps beside
+        # a block, e.g. DeepInfer's window snapshots, can then go too).
+        self.on_dropped = on_dropped
 
     # ---- lookup ------------------------------------------------------------------------------
     def match(self, hashes: list[BlockHash]) -> Match:
@@ -303,6 +307,8 @@ class PrefixCache:
     def _dropped(self, key: BlockHash, now: float) -> None:
         self.stats.dropped_blocks += 1
         self.ghost.add(key, now)
+        if self.on_dropped is not None:
+            self.on_dropped(key)
 
     def _copy(self, demotions: list[tuple[int, int]], promotions: list[tuple[int, int]]) -> None:
         # Demotions first: a promotion may land in a device block that was just demoted.

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+DEFAULT_SNAPSHOT_CACHE_MB = 8192  # [cache] snapshot_cache_mb: all ranks together
 KVSTORE_GRAIN = 128  # DeepInfer's KV block: 128 tokens (model_metadata_utils.py:133-135)
 
 # What a resumed prefix needs (facts: "What a resumed prefix needs"), plus the deterministic
@@ -47,7 +48,14 @@ class DeepInferConfig:
     seed: int = 0  # seq_seed of every request: deterministic sampling
     # The cache on DeepInfer.
     gpu_tier_fraction: float = 0.6  # share of a rank's KV blocks the cache may keep pinned
+    # Host RAM per rank for the host tier, in bytes: each rank divides it by its own page size
+    # (measured: one row of gpu_blocks). host_tier_blocks_per_rank, if set, gives the pages instead.
+    host_tier_bytes_per_rank: int = 0
     host_tier_blocks_per_rank: int = 0  # 128-token pages of host RAM per rank (0 = no host tier)
+    # Host RAM per rank for the sliding-window snapshots that make a cached prefix resumable
+    # (each `state_size_to_disk` bytes, cache_engine.py:306), least recently used dropped first;
+    # a snapshot also goes when its block leaves both tiers.
+    snapshot_bytes_per_rank: int = 2 * 1024**3
     write_through: bool = False  # copy committed pages to the host tier at once
     prefill_watermark: float = 0.9  # the engine stalls prefill admission past this usage
     commit_point: Literal["release", "final_token"] = "release"  # "final_token": the published bug
@@ -137,10 +145,15 @@ class DeepInferConfig:
         if unknown:
             known = ", ".join(SCHEDULE_KEYS)
             raise ValueError(f"unknown [deepinfer] keys: {', '.join(unknown)}; known: {known}")
-        page_bytes = int(profile.hardware.get("kv_bytes_per_token", 0)) * KVSTORE_GRAIN
-        host_mb = int(cache.get("host_cache_mb", 0))
-        host_blocks = host_mb * 1024 * 1024 // page_bytes if page_bytes and host_mb else 0
-        cards = int(profile.hardware.get("cards", 1))
+        cards = max(1, int(profile.hardware.get("cards", 1)))
+        # host_cache_mb holds the pages and the window snapshots: the snapshots' share first
+        # (snapshot_cache_mb; by default an eighth of it, at most DEFAULT_SNAPSHOT_CACHE_MB).
+        host_bytes = int(cache.get("host_cache_mb", 0)) * 1024**2
+        default_mb = min(DEFAULT_SNAPSHOT_CACHE_MB, host_bytes // 8 // 1024**2 or DEFAULT_SNAPSHOT_CACHE_MB)
+        snapshot_bytes = int(cache.get("snapshot_cache_mb", default_mb)) * 1024**2
+        if host_bytes:
+            snapshot_bytes = min(snapshot_bytes, host_bytes)
+            host_bytes -= snapshot_bytes
         return cls(
             model=model_path or profile.model.path,
             data_parallel_size=cards,
@@ -149,7 +162,8 @@ class DeepInferConfig:
             served_model=profile.served_model,
             gpu_memory_utilization=float(cache.get("gpu_memory_utilization", 0.9)),
             gpu_tier_fraction=float(cache.get("gpu_tier_fraction", 0.6)),
-            host_tier_blocks_per_rank=host_blocks // max(1, cards),
+            host_tier_bytes_per_rank=host_bytes // cards,
+            snapshot_bytes_per_rank=snapshot_bytes // cards,
             **{key: int(value) for key, value in schedule.items()},
         )
 

@@ -134,7 +134,8 @@ class DeepInferEngine:
                     )
                     self._stop_processes()
                     raise EngineError(f"deepinfer failed to start: {reason}")
-        pages = self.config.host_tier_blocks_per_rank
+        # Each rank sized its host tier from its own page size (the same on every rank).
+        pages = int(self.ranks[0].info["host_pages"])
         if pages:
             page_bytes = int(self.ranks[0].info["page_bytes"])
             self.host_pool = HostPool(pages * len(self.ranks), page_bytes)

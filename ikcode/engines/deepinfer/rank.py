@@ -90,9 +90,13 @@ class RankWorker(RankAdmission, RankRelease):
         self.blocks = self.engine.block_manager  # llm_engine.py:265
         self.total_blocks = self.blocks.get_num_free_blocks()  # nothing allocated yet
         slots = int(self.total_blocks * config.gpu_tier_fraction)
+        self.page_bytes = int(self.engine.driver_worker.cache_engine.gpu_blocks.shape[1])  # one row a page
+        by_bytes = config.host_tier_bytes_per_rank // self.page_bytes
+        self.host_pages = config.host_tier_blocks_per_rank or by_bytes
         self.cache = RankCache(
-            self.engine, slots, config.host_tier_blocks_per_rank, KVSTORE_GRAIN, config.write_through,
+            self.engine, slots, self.host_pages, KVSTORE_GRAIN, config.write_through,
             host_pages=host_pages, extra_state_tokens=config.extra_state_tokens,
+            max_snapshot_bytes=config.snapshot_bytes_per_rank,
         )  # fmt: skip
         self.commit_failures = 0  # finalize_seq commits that raised (surfaced by cache_stats and doctor)
         self.preempted = 0  # sequences DeepInfer stopped for lack of KV memory (scheduler.hpp:766-790)

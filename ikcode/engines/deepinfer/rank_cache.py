@@ -66,6 +66,10 @@ def state_to_host(snapshot: Any) -> Any:
     return host
 
 
+def _nbytes(snapshot: Any) -> int:
+    return int(getattr(snapshot, "nbytes", 0))
+
+
 class RankCache:
     def __init__(
         self,
@@ -76,6 +80,7 @@ class RankCache:
         write_through: bool,
         host_pages: Any = None,
         extra_state_tokens: int = 128,
+        max_snapshot_bytes: int = 2 * 1024**3,
     ):
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -85,12 +90,21 @@ class RankCache:
         self.interface = self.cache_engine.gpu_cache  # a GPUCacheInterface (cache_engine.py:540)
         self.pages = PageMover(self.cache_engine.gpu_blocks, host_pages)  # host: set when the pool arrives
         self.cache = PrefixCache(
-            max(1, num_slots), block_size, num_host_pages, store=self, write_through=write_through
+            max(1, num_slots),
+            block_size,
+            num_host_pages,
+            store=self,
+            write_through=write_through,
+            on_dropped=self._key_dropped,
         )
         self.block_size = block_size
         self.bound: dict[int, int] = {}  # GPU-tier slot -> engine block pinned for it
-        self.snapshots: OrderedDict[BlockHash, Any] = OrderedDict()  # key ending at P -> state at P
-        self.max_snapshots = 4 * (num_slots + num_host_pages) + 64
+        # key ending at P -> the window state at P (what makes the prefix up to P resumable), in
+        # host memory outside both tiers: bounded in bytes, least recently used first, and
+        # dropped with its key (_key_dropped).
+        self.snapshots: OrderedDict[BlockHash, Any] = OrderedDict()
+        self.snapshot_bytes = 0
+        self.max_snapshot_bytes = max_snapshot_bytes
         self._promote_into: list[int] = []  # engine blocks receiving this allocation's promotions
         self.copy_sources: list[int] = []  # blocks device hits were copied from, still pinned
         self.copy_done: Any = None  # an event after those copies (None on a CPU)
@@ -187,11 +201,27 @@ class RankCache:
         for position in sorted(found):
             n = position // self.block_size
             if 0 < n <= len(hashes) and hashes[n - 1] in self.cache.pool.index:
-                self.snapshots[hashes[n - 1]] = found[position]
-                self.snapshots.move_to_end(hashes[n - 1])
-        while len(self.snapshots) > self.max_snapshots:
-            self.snapshots.popitem(last=False)
+                self._keep_snapshot(hashes[n - 1], found[position])
         return len(appended)
+
+    # ---- window snapshots -----------------------------------------------------------------------
+    def _keep_snapshot(self, key: BlockHash, snapshot: Any) -> None:
+        self._drop_snapshot(key)
+        self.snapshots[key] = snapshot
+        self.snapshot_bytes += _nbytes(snapshot)
+        while self.snapshot_bytes > self.max_snapshot_bytes and self.snapshots:
+            self._drop_snapshot(next(iter(self.snapshots)))
+
+    def _drop_snapshot(self, key: BlockHash) -> None:
+        snapshot = self.snapshots.pop(key, None)
+        if snapshot is not None:
+            self.snapshot_bytes -= _nbytes(snapshot)
+
+    def _key_dropped(self, key: BlockHash) -> None:
+        """A key left a tier with no copy below it: its snapshot goes unless the other tier
+        still holds the key (write-through keeps a device key in the host tier too)."""
+        if key not in self.cache.pool.index and key not in self.cache.host.index:
+            self._drop_snapshot(key)
 
     def select_state(self, seq: Any, position: int) -> Any:
         """The window ending at position, in host memory; None when the ring no longer holds it.
@@ -250,21 +280,27 @@ class RankCache:
                 break
             key = pool.block_hash[slot]
             assert key is not None
+            dropped: list[BlockHash] = []
             if self.cache.num_host_blocks and self.cache.host.lookup(key) is None:
                 page, gone = self.cache.host.put(key)
                 if gone is not None:
                     self.cache.stats.host_evicted_blocks += 1
-                    self.cache.stats.dropped_blocks += 1
+                    dropped.append(gone)
                 if page is not None:
                     self.copy_device_to_host([(slot, page)])
                     self.cache.stats.demoted_blocks += 1
+                else:  # every host page pinned: the key is lost
+                    dropped.append(key)
             elif not self.cache.num_host_blocks:
-                self.cache.stats.dropped_blocks += 1
+                dropped.append(key)
             del pool.index[key]
             pool.block_hash[slot] = None
             policy.forget(slot)
             pool.free.append(slot)
             self.cache.stats.evicted_blocks += 1
+            self.cache.stats.dropped_blocks += len(dropped)
+            for gone_key in dropped:
+                self._key_dropped(gone_key)
             self._unbind(slot)
             evicted += 1
         return evicted
@@ -289,4 +325,8 @@ class RankCache:
         self.cache.check_invariants()
         indexed = {slot for slot, key in enumerate(self.cache.pool.block_hash) if key is not None}
         assert set(self.bound) == indexed, (sorted(self.bound), sorted(indexed))
+        held = self.cache.pool.index.keys() | self.cache.host.index.keys()
+        assert self.snapshots.keys() <= held, "a snapshot kept for a key neither tier holds"
+        assert self.snapshot_bytes == sum(_nbytes(v) for v in self.snapshots.values())
+        assert self.snapshot_bytes <= self.max_snapshot_bytes
         assert len(set(self.bound.values())) == len(self.bound), "one engine block bound twice"

@@ -74,7 +74,6 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
             )
         )
         raise SystemExit(1) from None
-    page_bytes = int(loop.worker.cache.cache_engine.gpu_blocks.shape[1])
     conn.send(
         (
             "ready",
@@ -82,7 +81,8 @@ def rank_main(spec: RankSpec, conn: Any) -> None:
                 "rank": spec.rank,
                 "total_blocks": loop.worker.total_blocks,
                 "reserve_blocks": loop.worker.reserve_blocks,
-                "page_bytes": page_bytes,
+                "page_bytes": loop.worker.page_bytes,
+                "host_pages": loop.worker.host_pages,
             },
         )  # fmt: skip
     )
@@ -225,12 +225,17 @@ class RankLoop:
         # engine blocks in the tables of the sequences the engine holds (the patched binding):
         # blocks in use = these + the cache's pinned blocks - the blocks counted in both
         in_sequences = {b for r in w.live.values() if r.admitted for b in r.seq.block_table}
+        held = w.cache.cache.pool.index.keys() | w.cache.cache.host.index.keys()
+        snapshots = w.cache.snapshots
         return {
             "rank": self.spec.rank, "live": len(w.live), "pending": len(w.pending),
             "blocks_total": w.total_blocks, "blocks_free": w.blocks.get_num_free_blocks(),
             "blocks_pinned": w.cache.num_pinned, "blocks_in_sequences": len(in_sequences),
             "blocks_pinned_in_sequences": len(in_sequences & set(w.cache.bound.values())),
             "blocks_copy_sources": len(w.cache.copy_sources),
+            # window snapshots: all, those whose key neither tier holds any more, their bytes
+            "snapshots": len(snapshots), "snapshots_lost_keys": len(snapshots.keys() - held),
+            "snapshot_bytes": sum(int(getattr(v, "nbytes", 0)) for v in snapshots.values()),
             "state_slots_total": total_states,
             "state_slots_free": free_states, "state_slots_free_at_start": self.initial_free_states,
             "engine_unfinished": engine.get_num_unfinished_requests(),

@@ -83,7 +83,9 @@ def wait_quiet(engine: DeepInferEngine, timeout_s: float = 60.0) -> list[dict[st
     deadline = time.monotonic() + timeout_s
     while True:
         checks = engine.check()
-        if all(c["live"] == 0 and c["pending"] == 0 and c["engine_unfinished"] == 0 for c in checks):
+        # copy sources: blocks copied from, unpinned at the rank's next step once their copies ran
+        quiet = ("live", "pending", "engine_unfinished", "blocks_copy_sources")
+        if all(c[key] == 0 for c in checks for key in quiet):
             return checks
         assert time.monotonic() < deadline, checks
         time.sleep(0.05)

@@ -20,50 +20,7 @@ from collections import OrderedDict
 from typing import Any
 
 from ikcode.cache import BlockHash, OutOfBlocks, PrefixCache
-
-
-class PageMover:
-    """Copies 128-token KV pages. DeepInfer keeps every layer of a block in one row of
-    `gpu_blocks[num_blocks, bytes]` (worker/cache_engine.py:937-960), so a page is a row; the host
-    tier is a [pages, bytes] tensor in host RAM (a slice of the node's shared pool, page-locked
-    when the cache is on a GPU)."""
-
-    def __init__(self, gpu_blocks: Any, host_pages: Any = None):
-        self.gpu_blocks = gpu_blocks
-        self.host = host_pages
-
-    def device_to_device(self, src: int, dst: int) -> None:
-        self.gpu_blocks[dst].copy_(self.gpu_blocks[src], non_blocking=True)
-
-    def device_to_host(self, block: int, page: int) -> None:
-        self.host[page].copy_(self.gpu_blocks[block])
-
-    def host_to_device(self, page: int, block: int) -> None:
-        self.gpu_blocks[block].copy_(self.host[page], non_blocking=True)
-
-    def mark(self) -> Any:
-        """An event after the copies queued so far (None on a CPU, where copies are done when
-        they return)."""
-        if not getattr(self.gpu_blocks, "is_cuda", False):
-            return None
-        import torch
-
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-
-def state_to_host(snapshot: Any) -> Any:
-    """A sliding-window snapshot kept outside the engine's memory budget: in page-locked host
-    memory when it was read from a GPU (select_state_slice_to_store allocates on the state
-    cache's device, cache_engine.py:793-795)."""
-    if snapshot is None or not getattr(snapshot, "is_cuda", False):
-        return snapshot
-    import torch
-
-    host = torch.empty(snapshot.shape, dtype=snapshot.dtype, pin_memory=True)
-    host.copy_(snapshot)
-    return host
+from ikcode.engines.deepinfer.copies import PageMover, host_tensor, state_to_host
 
 
 def _nbytes(snapshot: Any) -> int:
@@ -106,8 +63,9 @@ class RankCache:
         self.snapshot_bytes = 0
         self.max_snapshot_bytes = max_snapshot_bytes
         self._promote_into: list[int] = []  # engine blocks receiving this allocation's promotions
-        self.copy_sources: list[int] = []  # blocks device hits were copied from, still pinned
-        self.copy_done: Any = None  # an event after those copies (None on a CPU)
+        self.copy_sources: list[int] = []  # blocks copied from and let go by the cache, still pinned
+        self.copying_from: set[int] = set()  # blocks with a device-to-host copy queued since the last event
+        self.copy_done: Any = None  # an event after the copies queued so far (None on a CPU)
         # DEEPINFER_PREFILL_STORE_EXTRA_SIZE: how far behind a sequence's last position its ring
         # still holds a whole window (environ.py:164)
         self.extra_state_tokens = extra_state_tokens
@@ -115,7 +73,11 @@ class RankCache:
     # ---- KVStore (called by PrefixCache) --------------------------------------------------------
     def copy_device_to_host(self, pairs: list[tuple[int, int]]) -> None:
         for slot, page in pairs:
-            self.pages.device_to_host(self.bound[slot], page)
+            block = self.bound[slot]
+            self.pages.device_to_host(block, page)
+            self.copying_from.add(block)  # unpinned only after the copy (_unbind, release_copied)
+        if pairs:
+            self.copy_done = self.pages.mark()
 
     def copy_host_to_device(self, pairs: list[tuple[int, int]]) -> None:
         # A promoted page lands in the new sequence's own block, which the cache then pins.
@@ -165,8 +127,10 @@ class RankCache:
             snapshot = self.snapshots[hashes[n - 1]]
             self.snapshots.move_to_end(hashes[n - 1])
             P = n * self.block_size
-            device = snapshot.to(self.state_cache.device) if hasattr(snapshot, "to") else snapshot
-            self.interface.load_state_from_store_to_prefill_cache(seq.state_id, P, device, self.state_cache)
+            snapshot = host_tensor(snapshot)
+            if hasattr(snapshot, "to"):  # from page-locked memory: queued, not waited for
+                snapshot = snapshot.to(self.state_cache.device, non_blocking=True)
+            self.interface.load_state_from_store_to_prefill_cache(seq.state_id, P, snapshot, self.state_cache)
             seq.num_cached_tokens = P
         bs = self.block_size
         return alloc.cached_blocks_device * bs, alloc.cached_blocks_host * bs
@@ -240,11 +204,13 @@ class RankCache:
         before each step's admissions: as DeepInfer releases the sources of its own block clones
         one step later, after an event on the copies (DeferredRelease, llm_engine.py:67-118).
         Returns the blocks released."""
+        if self.copy_done is not None:  # also orders the host pages' writes before any read
+            self.copy_done.synchronize()
+        self.copy_done = None
+        self.copying_from.clear()
         if not self.copy_sources:
             return 0
-        if self.copy_done is not None:
-            self.copy_done.synchronize()
-        released, self.copy_sources, self.copy_done = self.copy_sources, [], None
+        released, self.copy_sources = self.copy_sources, []
         self.blocks.unpin_blocks(released)
         return len(released)
 
@@ -313,7 +279,11 @@ class RankCache:
 
     def _unbind(self, slot: int) -> None:
         block = self.bound.pop(slot, None)
-        if block is not None:
+        if block is None:
+            return
+        if block in self.copying_from:  # its copy to the host tier may not have run yet
+            self.copy_sources.append(block)
+        else:
             self.blocks.unpin_blocks([block])
 
     @property

@@ -20,8 +20,11 @@ turn either compacts, refuses with `blocking_limit`, or goes on), clients 2.1.19
 
 from __future__ import annotations
 
-# A summary request is the whole conversation plus the client's summary instructions plus the
-# summary itself: compacting at 3/4 of the window leaves room for both on an 8K window.
+# A summary request is the whole conversation plus the client's summary instructions (~1,370
+# tokens from 2.1.332 in SmolLM2's tokenizer) plus the summary itself (capped by the gateway).
+# Compacting at 3/4 of an 8K window leaves room for both while the conversation has not grown
+# past ~6,800 tokens since the client last checked; past that the client drops its oldest
+# messages to summarise what fits.
 DEFAULT_COMPACT_AT_FRACTION = 0.75
 
 

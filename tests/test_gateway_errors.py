@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import anthropic
 import httpx
@@ -134,6 +136,39 @@ def test_rate_limited_and_overloaded(engine, tokenizer, tmp_path):
         response = post(srv, {"model": "tiny", "max_tokens": 10, "messages": HELLO})
         assert_error(response, 529, "overloaded_error")
         assert response.headers["retry-after"] == "7"
+    finally:
+        srv.stop()
+    wait_idle(engine)
+
+
+def test_the_concurrency_cap_holds_while_a_submit_waits_on_the_engine(engine, tokenizer, tmp_path):
+    """A submit may wait on the engine (a DeepInfer rank answers between steps): the request
+    counts against max_concurrent_requests from before that wait, or all three passed the cap.
+    A refused submit gives its place back."""
+
+    class SlowSubmit(ScriptedEngine):
+        def submit(self, request):
+            time.sleep(0.5)
+            if request.sampling.max_tokens == 3:
+                raise EngineOverloaded("no KV memory for this prompt now", retry_after_s=1)
+            return super().submit(request)
+
+    script = tokenizer.encode("ok") + [2]
+    srv = serve(SlowSubmit(engine, script), tokenizer, tmp_path, max_concurrent_requests=1)
+    codes: list[int] = []
+    try:
+        body = {"model": "tiny", "max_tokens": 10, "messages": HELLO}
+        send = lambda: codes.append(post(srv, body).status_code)  # noqa: E731
+        threads = [threading.Thread(target=send) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert sorted(codes) == [200, 429, 429], codes
+        assert post(srv, {**body, "max_tokens": 3}).status_code == 529
+        assert post(srv, body).status_code == 200  # the refused one's place was given back
+        health = httpx.get(srv.url + "/health", headers={"x-api-key": "tok-alice"}, timeout=10).json()
+        assert health["in_flight"] == 0
     finally:
         srv.stop()
     wait_idle(engine)

@@ -101,10 +101,7 @@ class Generation:
         self._closed = False
         self._cut = False  # ended by the server's drain deadline, not by the engine or client
         gw.generations[request_id] = self
-        gw.in_flight += 1
-        self.user = record.get("user") or ""
-        gw.in_flight_by_user[self.user] += 1
-        gw.metrics.in_flight.inc()
+        self.user = record.get("user") or ""  # its in-flight slot was taken before the submit
 
     # -- engine side --------------------------------------------------------------------------
     def _consume(self, event: TokenEvent) -> list[dict[str, Any]]:
@@ -227,11 +224,7 @@ class Generation:
         gw.generations.pop(self.request_id, None)
         if not self.finished:  # the client went away: free the engine's sequence now
             gw.engine.abort(self.request_id)
-        gw.in_flight -= 1
-        gw.in_flight_by_user[self.user] -= 1
-        if not gw.in_flight_by_user[self.user]:
-            del gw.in_flight_by_user[self.user]
-        gw.metrics.in_flight.dec()
+        release_slot(gw, self.user)
         if self.completed:
             try:
                 gw.renderer.remember_reply(self.rendered, self.builder.content, self.builder.generated_ids)
@@ -291,3 +284,19 @@ class Generation:
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000, 2)
+
+
+def take_slot(gw: Gateway, user: str) -> None:
+    """Count a request in flight (the concurrency caps and the drain read these) from before its
+    submit, which may wait on the engine, until its Generation closes."""
+    gw.in_flight += 1
+    gw.in_flight_by_user[user] += 1
+    gw.metrics.in_flight.inc()
+
+
+def release_slot(gw: Gateway, user: str) -> None:
+    gw.in_flight -= 1
+    gw.in_flight_by_user[user] -= 1
+    if not gw.in_flight_by_user[user]:
+        del gw.in_flight_by_user[user]
+    gw.metrics.in_flight.dec()

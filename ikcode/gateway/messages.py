@@ -25,7 +25,7 @@ from ikcode.engines.base import (
 from ikcode.gateway.compaction import is_summary_request
 from ikcode.gateway.edge import check_concurrency, check_max_tokens, check_model, clip
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
-from ikcode.gateway.generation import Generation
+from ikcode.gateway.generation import Generation, release_slot, take_slot
 from ikcode.gateway.render import RenderedPrompt
 from ikcode.gateway.request_limits import check_prompt_chars
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
@@ -203,8 +203,6 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         rendered, lookup, block_hashes = await run_in_threadpool(
             _render_and_lookup, gw, body, salt, session_id, record
         )
-        # Others may have started while this one rendered.
-        check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
         summary = is_summary_request(body)
         if summary:  # a compaction: a cold read of the whole conversation and a long summary
             record["compaction"] = True  # logged as such, refused or not
@@ -237,11 +235,18 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
             block_hashes=block_hashes,
         )
         check_draining(gw)  # the drain may have begun while this prompt was rendered
+        # Others may have started while this one rendered: checked again, and its slot taken
+        # before the submit, which may wait on the engine (nothing passes the caps meanwhile).
+        check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
+        take_slot(gw, user or "")
         submitted = time.monotonic()
         try:
             stream = await submit_off_loop(gw.engine, engine_request)
-        except EngineError as error:
-            raise from_engine_error(error) from None
+        except BaseException as error:
+            release_slot(gw, user or "")
+            if isinstance(error, EngineError):
+                raise from_engine_error(error) from None
+            raise
     except APIError as error:
         record.update(status=error.status, error=error.message)
         gw.log.write(record)

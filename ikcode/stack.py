@@ -119,6 +119,9 @@ def check_cache_table(cache: dict[str, Any]) -> None:
     host_mb = cache.get("host_cache_mb", 0)
     if isinstance(host_mb, bool) or not isinstance(host_mb, int) or host_mb < 0:
         raise ValueError(f"[cache] host_cache_mb must be a whole number of MB >= 0, got {host_mb!r}")
+    snapshot_mb = cache.get("snapshot_cache_mb", 1)  # DeepInfer's window snapshots (0: nothing resumes)
+    if isinstance(snapshot_mb, bool) or not isinstance(snapshot_mb, int) or snapshot_mb < 1:
+        raise ValueError(f"[cache] snapshot_cache_mb must be a whole number of MB >= 1, got {snapshot_mb!r}")
 
 
 def _session_limit(profile: Profile) -> Callable[[int], int] | None:

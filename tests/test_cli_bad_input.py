@@ -133,8 +133,9 @@ def test_plan_and_bench_take_p_for_the_profile():
         ('[cache]\npolicy = "mru"', "unknown cache policy 'mru'"),  # failed after the model loaded
         ('[cache]\nhost_cache_mb = "lots"', "[cache] host_cache_mb must be a whole number"),
         ('[admission]\nttft_bound_s = "x"', "[admission] ttft_bound_s must be a number, got 'x'"),  # taken
+        ("[cache]\nsnapshot_cache_mb = 0", "[cache] snapshot_cache_mb must be a whole number of MB >= 1"),
     ],
-    ids=["policy", "host_cache_mb", "ttft_bound_s"],
+    ids=["policy", "host_cache_mb", "ttft_bound_s", "snapshot_cache_mb"],
 )
 def test_a_bad_cache_or_admission_value_is_refused_before_the_model_loads(tmp_path, table, says):
     text = (shipped_profiles_dir() / "local.toml").read_text()

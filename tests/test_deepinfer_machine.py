@@ -69,6 +69,25 @@ def test_profile_becomes_the_adapter_settings_and_environment():
     # host_cache_mb = 262144 holds the pages and the window snapshots (8 GiB of it), per rank:
     assert config.snapshot_bytes_per_rank == 8192 * 1024**2 // 4
     assert config.host_tier_bytes_per_rank == (262144 - 8192) * 1024**2 // 4
+
+
+@pytest.mark.parametrize(
+    "cache,snapshots_mb,pages_mb",
+    [
+        ({"host_cache_mb": 4}, 0.5, 3.5),  # an eighth of a small host budget, not all of it
+        ({"host_cache_mb": 1024, "snapshot_cache_mb": 100}, 100, 924),
+        ({"host_cache_mb": 64, "snapshot_cache_mb": 100}, 64, 0),  # never more than the budget
+        ({}, 8192, 0),  # no host tier: the snapshots' own budget
+    ],
+)
+def test_host_cache_mb_is_shared_between_pages_and_snapshots(cache, snapshots_mb, pages_mb):
+    profile = load_profile("deepinfer-4xb200")
+    sized = ("host_cache_mb", "snapshot_cache_mb")
+    profile.cache = {k: v for k, v in profile.cache.items() if k not in sized}
+    profile.cache.update(cache)
+    config = DeepInferConfig.from_profile(profile, "/models/dsv4")
+    assert config.snapshot_bytes_per_rank == int(snapshots_mb * 1024**2) // 4
+    assert config.host_tier_bytes_per_rank == int(pages_mb * 1024**2) // 4
     env = config.process_environment(2)  # rank 2's process: one GPU, the rendezvous address
     assert env["CUDA_VISIBLE_DEVICES"] == "2"
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29500")

@@ -45,10 +45,15 @@ def test_host_tier_serves_what_the_gpu_tier_evicted(tmp_path):
         cold.shutdown(drain_timeout_s=5)
 
 
-def test_eviction_keeps_prefill_admission_above_the_watermark(tmp_path):
+@pytest.mark.parametrize("host_pages", [0, 64], ids=["no host tier", "host tier"])
+def test_eviction_keeps_prefill_admission_above_the_watermark(tmp_path, host_pages):
     """Pinned cache blocks would push block usage past 90%, where DeepInfer admits no prefill
-    (scheduler.hpp:80, 313): the adapter unpins before the step, so new work keeps running."""
-    engine = real_engine(tmp_path, blocks=64, gpu_tier_fraction=0.85, prime_min_tokens=0)
+    (scheduler.hpp:80, 313): the adapter unpins before the step, so new work keeps running.
+    With a host tier the evicted blocks are copied out first, and stay pinned until their copy
+    has run: admission must not count them free before that (a request then failed with 529)."""
+    engine = real_engine(
+        tmp_path, blocks=64, gpu_tier_fraction=0.85, prime_min_tokens=0, host_tier_blocks_per_rank=host_pages
+    )
     try:
         for i in range(7):  # 7 x 10 blocks to pin, 53 GPU-tier slots, 63 usable blocks
             _, final = run(engine, f"r{i}", random_tokens(1300, 40 + i), session=f"S{i}")

@@ -149,8 +149,12 @@ class DeepInferConfig:
         # host_cache_mb holds the pages and the window snapshots: the snapshots' share first
         # (snapshot_cache_mb; by default an eighth of it, at most DEFAULT_SNAPSHOT_CACHE_MB).
         host_bytes = int(cache.get("host_cache_mb", 0)) * 1024**2
-        default_mb = min(DEFAULT_SNAPSHOT_CACHE_MB, host_bytes // 8 // 1024**2 or DEFAULT_SNAPSHOT_CACHE_MB)
-        snapshot_bytes = int(cache.get("snapshot_cache_mb", default_mb)) * 1024**2
+        if "snapshot_cache_mb" in cache:
+            snapshot_bytes = int(cache["snapshot_cache_mb"]) * 1024**2
+        elif host_bytes:
+            snapshot_bytes = min(DEFAULT_SNAPSHOT_CACHE_MB * 1024**2, host_bytes // 8)
+        else:
+            snapshot_bytes = DEFAULT_SNAPSHOT_CACHE_MB * 1024**2
         if host_bytes:
             snapshot_bytes = min(snapshot_bytes, host_bytes)
             host_bytes -= snapshot_bytes

@@ -57,7 +57,11 @@ class HostCopy:
 
     @property
     def nbytes(self) -> int:
-        return int(self.tensor.nbytes)
+        """The page-locked memory it may hold: torch's pinned-memory cache rounds a request up
+        to the next power of two below a size threshold (ATen/core/CachingHostAllocator.h:300-306,
+        torch 2.13): counted at that, an upper bound."""
+        n = int(self.tensor.nbytes)
+        return 1 << (n - 1).bit_length() if n > 1 else n
 
     def ready(self) -> Any:
         """The host tensor, once its copy has run."""

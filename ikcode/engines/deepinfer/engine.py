@@ -134,7 +134,11 @@ class DeepInferEngine:
                     )
                     self._stop_processes()
                     raise EngineError(f"deepinfer failed to start: {reason}")
-        # Each rank sized its host tier from its own page size (the same on every rank).
+        # Each rank sized its host tier from its own page size: one pool of equal slices.
+        sizes = {(int(r.info["host_pages"]), int(r.info["page_bytes"])) for r in self.ranks}
+        if len(sizes) > 1:
+            self._stop_processes()
+            raise EngineError(f"deepinfer ranks disagree on their host tier (pages, bytes): {sorted(sizes)}")
         pages = int(self.ranks[0].info["host_pages"])
         if pages:
             page_bytes = int(self.ranks[0].info["page_bytes"])

@@ -199,12 +199,15 @@ class RankCache:
             self.interface.select_state_slice_to_store(seq.state_id, position, self.state_cache)
         )
 
-    def release_copied(self) -> int:
-        """Unpin the blocks device hits were copied from, once those copies have run. Called
-        before each step's admissions: as DeepInfer releases the sources of its own block clones
-        one step later, after an event on the copies (DeferredRelease, llm_engine.py:67-118).
-        Returns the blocks released."""
-        if self.copy_done is not None:  # also orders the host pages' writes before any read
+    def release_copied(self, wait: bool = False) -> int:
+        """Unpin the blocks copied from (hit sources, blocks demoted to the host tier) once their
+        copies have run. Called before each step's admissions, as DeepInfer releases the sources
+        of its own block clones a step later (DeferredRelease, llm_engine.py:67-118): the event
+        is only asked, not waited for, since waiting would wait for the forward queued before
+        the copies. wait: the blocks are needed now (evict_for). Returns the blocks released."""
+        if self.copy_done is not None:
+            if not wait and not self.copy_done.query():
+                return 0
             self.copy_done.synchronize()
         self.copy_done = None
         self.copying_from.clear()
@@ -223,7 +226,8 @@ class RankCache:
     def evict_for(self, free_blocks_needed: int, keep: list[BlockHash] | None = None) -> int:
         """Unpin least valuable GPU-tier blocks until the engine has free_blocks_needed free
         blocks or nothing more can go. Evicted keys are demoted to the host tier when there is one.
-        Blocks still held as the source of a hit's copy count as free: they are at the next step.
+        Blocks still held as the source of a copy count as free: they are made so at the end,
+        waiting for their copies if the engine is still short of free blocks.
         keep: the prefix the coming allocation will hit, evicted only when nothing else can go
         (the allocation takes the whole prompt before the hit's copy gives those blocks back)."""
         pool = self.cache.pool
@@ -234,7 +238,10 @@ class RankCache:
             evicted = self._evict(free_blocks_needed)
         finally:
             pool.unref(spared, time.monotonic(), None, step=False)
-        return evicted + self._evict(free_blocks_needed)
+        evicted += self._evict(free_blocks_needed)
+        if self.copy_sources and self.blocks.get_num_free_blocks() < free_blocks_needed:
+            self.release_copied(wait=True)  # _evict counted them free: make them so
+        return evicted
 
     def _evict(self, free_blocks_needed: int) -> int:
         evicted = 0

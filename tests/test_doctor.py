@@ -279,3 +279,18 @@ def test_the_tested_claude_version_is_the_one_ci_pins():
     test_sh = (Path(__file__).resolve().parent.parent / "scripts" / "test.sh").read_text()
     pinned = re.search(r"IKCODE_CLAUDE_VERSION:-([0-9.]+)", test_sh).group(1)
     assert pinned == ".".join(map(str, TESTED_CLAUDE_VERSION))
+
+
+def test_silent_miss_reads_an_upstream_fronts_records():
+    """The upstream front logs the upstream server's own count as `cached_tokens` (no tier):
+    silent_miss read 0 from it and failed every healthy vLLM, SGLang or llama.cpp deployment."""
+    from ikcode.upstream.metrics import finish_record
+
+    records = []
+    for turn, (prompt, cached) in enumerate([(1000, 0), (1200, 992), (1400, 1184)]):
+        record = {"ts": f"2026-01-01T00:00:{turn * 10:02d}.000+00:00", "session_id": "s", "duration_ms": 10}
+        finish_record(record, prompt, cached, 50)
+        records.append(record)
+    result = analyse(records)
+    assert result["any_hit"] is True and result["miss_count"] == 0, result
+    assert result["per_session"]["s"]["hit_rate"] > 0.5

@@ -61,4 +61,8 @@ def read_records(path: Path | None, max_records: int = 5000) -> list[dict[str, A
 
 
 def cached_tokens(record: dict[str, Any]) -> int:
-    return int(record.get("cached_tokens_device") or 0) + int(record.get("cached_tokens_host") or 0)
+    """Prompt tokens the request read from cache: the gateway's count by tier, or an upstream
+    front's `cached_tokens` (the upstream server's own report, no tier known)."""
+    tiers = int(record.get("cached_tokens_device") or 0) + int(record.get("cached_tokens_host") or 0)
+    upstream = record.get("cached_tokens")
+    return tiers or (upstream if isinstance(upstream, int) and not isinstance(upstream, bool) else 0)

@@ -294,3 +294,86 @@ def test_silent_miss_reads_an_upstream_fronts_records():
     result = analyse(records)
     assert result["any_hit"] is True and result["miss_count"] == 0, result
     assert result["per_session"]["s"]["hit_rate"] > 0.5
+
+
+def test_a_cache_that_serves_other_prompts_blocks_fails_the_gate(tokenizer, tmp_path, project, monkeypatch):
+    """Cache keys that ignore the tokens (here: position only) serve a new document another
+    prompt's KV. The salted cold ask then hits too, so cold = warm compares one wrong answer with
+    itself: the gate must fail on the cold ask's hit."""
+    from hashlib import blake2b
+
+    import ikcode.cache.hashing as hashing
+    import ikcode.engines.embedded.engine as embedded_engine
+    import ikcode.engines.embedded.sequence as embedded_sequence
+    import ikcode.gateway.block_hashes as gateway_hashes
+    from ikcode.doctor.client import EndpointClient
+    from ikcode.doctor.needle import needle_document, request_body
+
+    def position_only(token_ids, block_size, salt="", shared_prefix_tokens=0, parent=None):
+        keys, previous = [], (hashing._ROOT if parent is None else parent)
+        for _ in range(len(token_ids) // block_size):
+            previous = blake2b(previous + b"position", digest_size=16).digest()
+            keys.append(previous)
+        return keys
+
+    for module in (hashing, gateway_hashes, embedded_engine, embedded_sequence):
+        if hasattr(module, "hash_blocks"):
+            monkeypatch.setattr(module, "hash_blocks", position_only)
+    engine, server, token, log = start_server(tokenizer, tmp_path)
+    try:
+        client = EndpointClient(server.url, token)
+        other = needle_document(1500, "0123456789abcdef")  # another user's document, cached first
+        assert client.stream_message(request_body("tiny", other), "other-session").status == 200
+        client.close()
+        wait_idle(engine)
+        gate = doctor(server.url, token, project, log, only=["quality_gate"])["quality_gate"]
+    finally:
+        server.stop()
+        engine.shutdown(drain_timeout_s=1)
+    assert gate.status == FAIL, gate.detail
+    assert "the cold ask, a document never sent before, read" in gate.detail
+    assert "serves blocks of other prompts" in gate.detail
+
+
+def test_a_wedged_engine_behind_a_live_gateway_is_a_bounded_failure(tokenizer, tmp_path):
+    """The gateway pings every stream, which resets httpx's read timeout: a request the engine
+    never answers must still end within the client's bound, as an error."""
+    from ikcode.doctor.client import EndpointClient
+    from ikcode.engines.base import RequestStream
+
+    class Wedged:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def submit(self, request):
+            return RequestStream(request.request_id, on_abort=lambda request_id: None)
+
+        def abort(self, request_id):
+            pass
+
+    engine = tiny_engine(kv_memory_bytes=4 * 1024 * 1024)
+    engine.start()
+    server = serve(Wedged(engine), tokenizer, tmp_path, ping_interval_s=0.5)
+    try:
+        client = EndpointClient(server.url, "tok-alice", read_timeout_s=3.0)
+        started = time.monotonic()
+        body = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
+        result = client.stream_message(body)
+        elapsed = time.monotonic() - started
+        client.close()
+    finally:
+        server.stop()
+        engine.shutdown(drain_timeout_s=1)
+    assert result.error is not None and "no whole answer within 3 s" in result.error["error"]["message"]
+    assert elapsed < 10, elapsed
+
+
+def test_the_warm_hit_wanted_allows_two_blocks_of_a_short_document():
+    from ikcode.doctor.quality_gate import MIN_WARM_HIT, UNKNOWN_BLOCK_SIZE, min_warm_hit
+
+    assert min_warm_hit(2400, 16) == MIN_WARM_HIT  # the embedded engine's blocks: 95% as before
+    assert abs(min_warm_hit(2654, UNKNOWN_BLOCK_SIZE) - (1 - 256 / 2654)) < 1e-9  # a front over DeepInfer
+    assert min_warm_hit(64_000, 128) == MIN_WARM_HIT

@@ -60,6 +60,9 @@ class EndpointClient:
             headers["Authorization"] = f"Bearer {token}"
         timeout = httpx.Timeout(read_timeout_s, connect=connect_timeout_s)
         self.http = httpx.Client(headers=headers, timeout=timeout, trust_env=auth.proxied(base_url))
+        # A whole streamed answer's bound: the server's pings reset httpx's read timeout, so a
+        # wedged engine behind a live gateway would otherwise keep doctor waiting for ever.
+        self.answer_timeout_s = read_timeout_s
 
     def close(self) -> None:
         self.http.close()
@@ -87,6 +90,10 @@ class EndpointClient:
                 result.total_s = time.monotonic() - started
                 return result
             for line in r.iter_lines():
+                if time.monotonic() - started > self.answer_timeout_s:
+                    message = f"no whole answer within {self.answer_timeout_s:.0f} s, the stream still open"
+                    result.error = {"type": "error", "error": {"type": "timeout", "message": message}}
+                    break
                 if not line.startswith("data:"):
                     continue
                 try:

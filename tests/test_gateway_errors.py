@@ -213,3 +213,32 @@ def test_engine_error_mid_stream_ends_the_stream(engine, tokenizer, tmp_path):
                 list(stream)
     finally:
         srv.stop()
+
+
+def test_a_reply_cut_by_a_stop_sequence_is_rendered_next_turn_as_the_client_got_it(
+    engine, tokenizer, tmp_path
+):
+    """The gateway remembers a reply's generated ids to render it back exactly; a reply cut at a
+    stop sequence was generated past the cut, and those ids put the stop text the client never
+    got into the next turn's prompt."""
+    script = tokenizer.encode("alpha beta gamma delta epsilon") + [2]
+    srv = serve(ScriptedEngine(engine, script), tokenizer, tmp_path)
+    question = [{"role": "user", "content": "say some greek letters"}]
+    try:
+        reply = post(
+            srv, {"model": "tiny", "max_tokens": 20, "messages": question, "stop_sequences": ["gamma"]}
+        )
+        assert reply.status_code == 200 and reply.json()["stop_reason"] == "stop_sequence"
+        cut = reply.json()["content"][0]["text"]
+        assert "gamma" not in cut
+        turn = [*question, {"role": "assistant", "content": cut}, {"role": "user", "content": "go on"}]
+        counted = post(srv, {"model": "tiny", "messages": turn}, path="/v1/messages/count_tokens").json()
+    finally:
+        srv.stop()
+    wait_idle(engine)
+    fresh = serve(ScriptedEngine(engine, script), tokenizer, tmp_path / "fresh")  # never saw the reply
+    try:
+        expected = post(fresh, {"model": "tiny", "messages": turn}, path="/v1/messages/count_tokens").json()
+    finally:
+        fresh.stop()
+    assert counted["input_tokens"] == expected["input_tokens"]

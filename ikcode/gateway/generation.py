@@ -225,7 +225,9 @@ class Generation:
         if not self.finished:  # the client went away: free the engine's sequence now
             gw.engine.abort(self.request_id)
         release_slot(gw, self.user)
-        if self.completed:
+        # The generated ids stand for the reply only when nothing was cut from it: past a stop
+        # sequence, or after the one call allowed, they hold text the client never got.
+        if self.completed and not self.builder.done:
             try:
                 gw.renderer.remember_reply(self.rendered, self.builder.content, self.builder.generated_ids)
             except Exception:

@@ -241,3 +241,20 @@ def test_reuse_ends_exactly_at_the_first_edited_turn_of_a_long_conversation(toke
         message["content"][0]["content"] = "(edited)"
     rendered = checked(renderer, edited)
     assert rendered.reused_tokens == turn_start(renderer, edited, edited_indices[0])
+
+
+@pytest.mark.parametrize("first", ["padded", "plain"])
+def test_an_assistant_turn_is_tokenized_as_sent_whatever_was_sent_before(tokenizer, first):
+    """Turns that differ only in their surrounding whitespace shared one remembered tokenization
+    (the key stripped it): the prompt then depended on what anyone sent before."""
+    plain, padded = "sure, here it is", "sure, here it is" + "\n" * 40
+
+    def body(reply: str) -> dict[str, Any]:
+        messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": reply}]
+        return {"messages": [*messages, {"role": "user", "content": "ok"}]}
+
+    shared = Renderer(tokenizer)
+    order = [padded, plain] if first == "padded" else [plain, padded]
+    for reply in order:
+        alone = render(Renderer(tokenizer), body(reply)).token_ids
+        assert render(shared, body(reply)).token_ids == alone

@@ -85,14 +85,17 @@ class RenderedPrompt:
     one_call: bool = False  # tool_choice's disable_parallel_tool_use: at most one call in the reply
 
 
-def assistant_content_key(content: str | list[Any]) -> bytes:
-    """Digest of an assistant turn as the client echoes it (ids, names, inputs, non-empty text)."""
+def assistant_content_key(content: str | list[Any], strip: bool = True) -> bytes:
+    """Digest of an assistant turn as the client echoes it (ids, names, inputs, non-empty text).
+    strip: text blocks with their surrounding whitespace dropped, the way a client may echo a
+    reply back (the key of a remembered reply); strip=False for a key of the exact text (the
+    tokenization of a turn: whitespace is tokens)."""
     h = blake2b(digest_size=16)
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     for block in blocks:
         kind = _get(block, "type")
         if kind == "text":
-            text = _get(block, "text").strip()
+            text = _get(block, "text").strip() if strip else _get(block, "text")
             if text:
                 h.update(b"\x00t%d\x00" % len(text) + text.encode())
         elif kind in ("tool_use", "server_tool_use"):
@@ -303,11 +306,12 @@ class Renderer:
     ) -> None:
         """Append one turn; a prefill (a final assistant turn) stays open and gets no boundary."""
         if role == "assistant":
-            key = b"a" + assistant_content_key(content)
-            reply = None if prefill else self.store.reply(_reply_key(salt, prompt.chain), key[1:])
+            replied = assistant_content_key(content)
+            reply = None if prefill else self.store.reply(_reply_key(salt, prompt.chain), replied)
             if reply is not None:
                 seg, n = reply, 0
             else:
+                key = b"a" + assistant_content_key(content, strip=False)
                 text_fn = lambda: assistant_text(content, self.tool_format)  # noqa: E731
                 seg, n = self._segment("assistant", key, text_fn, not prefill)
             # An assistant turn's tokens are the generated ids while the store remembers them,

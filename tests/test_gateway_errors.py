@@ -242,3 +242,19 @@ def test_a_reply_cut_by_a_stop_sequence_is_rendered_next_turn_as_the_client_got_
     finally:
         fresh.stop()
     assert counted["input_tokens"] == expected["input_tokens"]
+
+
+def test_a_reply_cut_inside_a_character_ends_before_it(engine, tokenizer, tmp_path):
+    """max_tokens can end a reply between the bytes of one character: its text stops before that
+    character instead of ending in U+FFFD, streamed or not."""
+    script = tokenizer.encode("ok 😀")[:-1]  # the last byte of the emoji never comes
+    srv = serve(ScriptedEngine(engine, script), tokenizer, tmp_path)
+    try:
+        body = {"model": "tiny", "max_tokens": 20, "messages": HELLO}
+        whole = post(srv, body).json()
+        streamed = post(srv, {**body, "stream": True}).text
+    finally:
+        srv.stop()
+    wait_idle(engine)
+    assert whole["content"][0]["text"] in ("ok ", "ok")
+    assert "\\ufffd" not in streamed and "\ufffd" not in streamed

@@ -32,10 +32,11 @@ class IncrementalDetokenizer:
         return ""
 
     def flush(self) -> str:
-        """Whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        """Whatever is still held back, less a character the reply ended in the middle of (cut
+        by max_tokens: its bytes decode as U+FFFD, a character the model never wrote)."""
         if self._read_offset == len(self.ids):
             return ""
         prefix_text = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
         new_text = self.tokenizer.decode(self.ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self.ids)
-        return new_text[len(prefix_text) :]
+        return new_text[len(prefix_text) :].rstrip("\ufffd")

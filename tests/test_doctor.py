@@ -377,3 +377,19 @@ def test_the_warm_hit_wanted_allows_two_blocks_of_a_short_document():
     assert min_warm_hit(2400, 16) == MIN_WARM_HIT  # the embedded engine's blocks: 95% as before
     assert abs(min_warm_hit(2654, UNKNOWN_BLOCK_SIZE) - (1 - 256 / 2654)) < 1e-9  # a front over DeepInfer
     assert min_warm_hit(64_000, 128) == MIN_WARM_HIT
+
+
+def test_misses_of_an_earlier_run_in_the_same_log_do_not_fail_this_one(tokenizer, tmp_path, project):
+    """The request log is appended to across restarts: a silent miss logged before a fix must not
+    fail the fixed server (doctor reads the records since /health's started_at)."""
+    engine, server, token, log = start_server(tokenizer, tmp_path)
+    earlier = [_record("old", 1000, 0, 500), _record("old", 1200, 0, 500, shared=1000, second=1)]
+    log.write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    try:
+        results = doctor(server.url, token, project, log, only=["endpoint", "quality_gate", "silent_miss"])
+    finally:
+        server.stop()
+        engine.shutdown(drain_timeout_s=1)
+    assert results["quality_gate"].status == PASS, results["quality_gate"].detail
+    assert results["silent_miss"].status != FAIL, results["silent_miss"].detail
+    assert analyse(earlier)["miss_count"] == 1  # the earlier run's records do hold a miss

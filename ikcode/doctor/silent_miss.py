@@ -31,6 +31,16 @@ def _ts(record: dict[str, Any]) -> float | None:
         return None
 
 
+def this_run(records: list[dict[str, Any]], started_at: Any) -> list[dict[str, Any]]:
+    """The records the running server wrote: the log is appended to across restarts, and a miss
+    of a run before a fix must not fail the fixed server (/health's started_at; all without it)."""
+    try:
+        start = datetime.fromisoformat(started_at).timestamp()
+    except (TypeError, ValueError):
+        return records
+    return [r for r in records if (_ts(r) or 0.0) >= start]
+
+
 def _overlaps(previous: dict[str, Any], current: dict[str, Any]) -> bool:
     """The previous request was still running when this one arrived (its blocks not committed yet)."""
     start, now = _ts(previous), _ts(current)
@@ -149,6 +159,7 @@ def check_silent_miss(ctx: DoctorContext) -> CheckResult:
     records = read_records(ctx.request_log)
     if records is None:
         return no_log_result(ctx, NAME, "look for silent misses")
+    records = this_run(records, (ctx.health or {}).get("started_at"))
     result = analyse(records)
     if result["pairs_checked"] == 0:
         return warned(

@@ -147,6 +147,7 @@ def create_app(
                 "context_window": context_window,
                 "block_size": info.block_size,
                 "in_flight": gw.in_flight,
+                "started_at": gw.started_at,
                 "cache_salt_per_user": settings.salts_per_user,
                 **metrics.totals(),
                 "users": users,

@@ -6,7 +6,6 @@ import asyncio
 import secrets
 import time
 from dataclasses import replace
-from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import Request
@@ -28,6 +27,7 @@ from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation, release_slot, take_slot
 from ikcode.gateway.render import RenderedPrompt
 from ikcode.gateway.request_limits import check_prompt_chars
+from ikcode.gateway.request_log import now_iso
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.sse import STREAM_HEADERS, ClosingStreamingResponse
 from ikcode.gateway.state import Gateway
@@ -185,7 +185,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
     request_id = new_message_id()
     session_id = request.headers.get("x-claude-code-session-id")
     record: dict[str, Any] = {
-        "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+        "ts": now_iso(),
         "request_id": request_id,
         "session_id": session_id,
         "user": user,

@@ -8,10 +8,16 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("ikcode.gateway")
+
+
+def now_iso() -> str:
+    """A request-log timestamp: UTC, ISO 8601, milliseconds."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
 
 
 # Past this size the log moves to `<name>.1` (replacing an older one) and a new file begins: a

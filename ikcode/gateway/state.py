@@ -11,7 +11,7 @@ from ikcode.gateway.block_hashes import IncrementalBlockHasher
 from ikcode.gateway.chat_format import TokenizerLike
 from ikcode.gateway.metrics import GatewayMetrics
 from ikcode.gateway.render import Renderer
-from ikcode.gateway.request_log import RequestLog
+from ikcode.gateway.request_log import RequestLog, now_iso
 from ikcode.gateway.session_prefix import SessionPrefixes
 from ikcode.gateway.settings import GatewaySettings
 
@@ -36,6 +36,9 @@ class Gateway:
     # Each conversation's block hashes, resumed turn after turn: the one hash of a prompt that the
     # lookup, the admission layer and the engine all reuse.
     block_hasher: IncrementalBlockHasher = field(init=False)
+    # When this server started: its request log may hold records of earlier runs (doctor reads
+    # only this run's).
+    started_at: str = field(default_factory=now_iso)
 
     def __post_init__(self) -> None:
         self.block_hasher = IncrementalBlockHasher(self.engine.info.block_size)

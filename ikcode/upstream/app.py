@@ -16,7 +16,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,7 +38,7 @@ from ikcode.gateway.edge import (
 )
 from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.messages import new_message_id
-from ikcode.gateway.request_log import RequestLog
+from ikcode.gateway.request_log import RequestLog, now_iso
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
 from ikcode.gateway.settings import GatewaySettings
 from ikcode.gateway.sse import ClosingStreamingResponse
@@ -159,7 +158,7 @@ def create_upstream_app(
     async def create_message(request: Request) -> Response:
         arrived = time.monotonic()
         record: dict[str, Any] = {
-            "ts": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            "ts": now_iso(),
             "request_id": new_message_id(),
             "session_id": request.headers.get("x-claude-code-session-id"),
             "upstream_kind": config.kind,
@@ -246,6 +245,7 @@ def create_upstream_app(
                 "device": "upstream",
                 "context_window": up.context_window,
                 "in_flight": up.in_flight,
+                "started_at": up.started_at,
                 "replicas": replicas,
                 "session_moves": dict(router.moves),
                 "admission": up.admission.stats() if up.admission else {"policy": "fifo"},

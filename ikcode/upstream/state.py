@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 
 from ikcode.gateway.edge import check_concurrency
-from ikcode.gateway.request_log import RequestLog
+from ikcode.gateway.request_log import RequestLog, now_iso
 from ikcode.gateway.settings import GatewaySettings
 
 from .admission import UpstreamAdmission
@@ -30,6 +30,7 @@ class Upstream:
     in_flight: int = 0
     in_flight_by_user: Counter[str] = field(default_factory=Counter)  # token name -> in flight
     admission: UpstreamAdmission | None = None  # None: requests go straight to their replica
+    started_at: str = field(default_factory=now_iso)
 
     def settle(self, record: dict) -> None:
         """A request is over (answered, failed or cut): admission frees its place."""

@@ -114,6 +114,30 @@ def test_max_tokens_over_the_fronts_limit_is_refused_before_forwarding(front, re
     assert health["refused"] >= 1  # `ikcode status` counts it apart from the server's errors
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"tiny","max_tokens":"100000","messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"tiny","max_tokens":[100000],"messages":[{"role":"user","content":"hi"}]}',
+        b'{"model":"tiny","messages":[{"role":"user","content":"hi"}]}',
+        # parsed here as its last value (5), read upstream perhaps as its first
+        b'{"model":"tiny","max_tokens":100000,"max_tokens":5,"messages":[{"role":"user","content":"hi"}]}',
+    ],
+    ids=["string", "list", "absent", "twice"],
+)
+def test_a_max_tokens_the_front_cannot_bound_is_refused_before_forwarding(front, replica, raw):
+    """An upstream may coerce "100000" to a number, or take the first of two keys: what the front
+    cannot read as one whole number it refuses, or the reply's cost went unbounded."""
+    seen = len(replica.records())
+    headers = {"x-api-key": FRONT_TOKEN, "content-type": "application/json"}
+    answer = httpx.post(front.url + "/v1/messages", content=raw, headers=headers)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    message = answer.json()["error"]["message"]
+    assert "max_tokens: a whole number is required" in message or "appears twice" in message  # the front's
+    assert len(replica.records()) == seen
+
+
 def test_health_tells_strangers_only_the_status_and_never_shows_credentials(tmp_path):
     srv = front_server(tmp_path, "anthropic", ["http://svc:s3cret-pass@127.0.0.1:9/v1?key=k3y"])
     try:

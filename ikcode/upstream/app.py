@@ -31,12 +31,13 @@ from ikcode.gateway.edge import (
     authenticate,
     check_max_tokens,
     check_model,
+    clip,
     error_response,
     read_body,
     read_model,
     unless_client_leaves,
 )
-from ikcode.gateway.errors import APIError, error_body
+from ikcode.gateway.errors import APIError, error_body, invalid_request
 from ikcode.gateway.messages import new_message_id
 from ikcode.gateway.request_log import RequestLog, now_iso
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
@@ -172,14 +173,21 @@ def create_upstream_app(
                 if config.kind == "anthropic":
                     raw = await _read_raw(up, request)
                     try:
-                        parsed = json.loads(raw)
+                        parsed = json.loads(raw, object_pairs_hook=_refuse_repeated_keys)
+                    except _RepeatedKey as err:
+                        repeated = clip(str(err))
+                        raise invalid_request(f"request body: key {repeated} appears twice") from None
                     except ValueError:
                         parsed = None  # the upstream answers malformed JSON in its own words
                     if isinstance(parsed, dict):
-                        # The body goes on as it is, but what its reply may cost is the front's to bound.
+                        # The body goes on as it is, but what its reply may cost is the front's to
+                        # bound: only a whole number it can check passes (an upstream may coerce
+                        # "100000", or read another value than this one).
                         max_tokens = parsed.get("max_tokens")
-                        if isinstance(max_tokens, int | float) and not isinstance(max_tokens, bool):
-                            check_max_tokens(up, max_tokens)  # a non-number is the upstream's to refuse
+                        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+                            got = clip(repr(max_tokens))
+                            raise invalid_request(f"max_tokens: a whole number is required, got {got}")
+                        check_max_tokens(up, max_tokens)
                         await _admit(up, request, parsed, record)
                     answer = await anthropic_proxy.forward_messages(up, request, raw, record, arrived, parsed)
                 else:
@@ -262,3 +270,18 @@ def create_upstream_app(
         return await guarded(request, handler)
 
     return app
+
+
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads keeps a repeated key's last value, another parser may keep its first: a body
+    the front checks must mean one thing to both."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen.add(key)
+    return dict(pairs)

@@ -43,11 +43,17 @@ def load_or_create_token(path: Path | None = None) -> str:
     return token
 
 
-def client_token() -> str:
-    """The token this machine's clients (`ikcode claude`, `env`, `settings`, `doctor`) send:
-    IKCODE_TOKEN when set (a team member's own token, for a server on another machine), else
-    this machine's launcher token."""
-    return os.environ.get("IKCODE_TOKEN") or load_or_create_token()
+def client_token(url: str | None = None) -> str | None:
+    """The token this machine's clients (`ikcode claude`, `env`, `settings`, `doctor`) send to
+    `url`: IKCODE_TOKEN when set (a team member's own token, for a server on another machine),
+    else this machine's launcher token, but only to a server on this machine (None elsewhere: it
+    grants everything on this machine's server, and must not travel to another one)."""
+    explicit = os.environ.get("IKCODE_TOKEN")
+    if explicit:
+        return explicit
+    if url is not None and not is_loopback(urlsplit(url).hostname or ""):
+        return None
+    return load_or_create_token()
 
 
 def rotate_token(path: Path | None = None) -> str:

@@ -108,6 +108,25 @@ def test_a_team_members_own_token_is_sent_to_a_server_elsewhere(tmp_path, answer
     assert own not in proc.stderr and own not in proc.stdout
 
 
+def test_this_machines_token_never_goes_to_a_server_elsewhere(monkeypatch):
+    """Without IKCODE_TOKEN, a server on another machine gets no token at all: this machine's own
+    token grants everything on this machine's server (it was put in claude's env, and sent to
+    the server's /v1/models by discovery)."""
+    from ikcode.launcher.claude import LauncherError, mapping_for
+    from ikcode.profiles import load_profile
+
+    monkeypatch.delenv("IKCODE_TOKEN", raising=False)
+    elsewhere = "http://10.255.255.1:8741"  # never contacted: refused before discovery
+    assert auth.client_token(elsewhere) is None
+    assert auth.client_token("http://127.0.0.1:8741") == auth.load_or_create_token()
+    with pytest.raises(LauncherError, match="IKCODE_TOKEN"):
+        mapping_for(load_profile("local"), base_url=elsewhere)
+    monkeypatch.setenv("IKCODE_TOKEN", "ik-alice-own-token")
+    assert auth.client_token(elsewhere) == "ik-alice-own-token"
+    mapping = mapping_for(load_profile("local"), base_url=elsewhere, discover=False)
+    assert mapping.set["ANTHROPIC_AUTH_TOKEN"] == "ik-alice-own-token"
+
+
 def test_user_flags_override_profile_defaults(tmp_path, answering):
     proc, rec = run_ikcode_claude(tmp_path, "--base-url", answering, "--", "--tools", "Bash", "-p", "x")
     assert proc.returncode == 7

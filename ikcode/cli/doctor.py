@@ -52,7 +52,7 @@ def doctor_command(
     ctx = DoctorContext(
         profile=profile,
         base_url=base_url,
-        token=auth.client_token(),
+        token=auth.client_token(base_url),
         mode=mode,
         request_log=request_log or local_request_log(base_url),
     )

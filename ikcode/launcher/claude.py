@@ -94,7 +94,12 @@ def served_model_for(profile: Profile, base_url: str, token: str | None, discove
 
 def mapping_for(profile: Profile, base_url: str | None = None, discover: bool = True) -> Mapping:
     url = base_url or profile.base_url
-    token = auth.client_token()
+    token = auth.client_token(url)
+    if token is None:
+        raise LauncherError(
+            f"{url} is not on this machine: set IKCODE_TOKEN to your token for that server "
+            "(its owner makes one with `ikcode token --add NAME`); this machine's own token stays here"
+        )
     served = served_model_for(profile, url, token, discover)
     return claude_env(
         served_model=served.name,

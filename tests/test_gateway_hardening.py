@@ -378,3 +378,28 @@ def test_a_tool_choice_no_answer_could_meet_is_a_400(served, tools, choice, expe
     else:
         assert expected in assert_error(answer, 400)
     wait_idle(engine)
+
+
+def test_a_body_that_trickles_in_is_refused_at_its_deadline(monkeypatch):
+    """The per-user caps count a request once its body is read: a body that never finishes
+    arriving must not hold its connection for ever."""
+    from ikcode.gateway import edge
+
+    monkeypatch.setattr(edge, "BODY_READ_TIMEOUT_S", 1.0)
+    engine = tiny_engine(kv_memory_bytes=4 * 1024 * 1024)
+    engine.start()
+    srv = BackgroundServer(create_app(engine, tiny_tokenizer(), GatewaySettings())).start()
+    try:
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            head = f"POST /v1/messages HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            conn.sendall((head + "Content-Length: 1000\r\n\r\n{").encode())
+            started = time.monotonic()
+            answer = conn.recv(65536).decode()
+            elapsed = time.monotonic() - started
+    finally:
+        srv.stop()
+        engine.shutdown(drain_timeout_s=1)
+    assert answer.startswith("HTTP/1.1 400"), answer[:200]
+    assert "did not finish arriving within 1 s" in answer and "invalid_request_error" in answer
+    assert elapsed < 5, elapsed

@@ -94,18 +94,29 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
 
+# A whole request body must arrive within this long. The per-user caps count a request only once
+# its body is read: without a deadline, bodies that trickle in hold connections for ever.
+BODY_READ_TIMEOUT_S = 60.0
+
+
 async def read_body(request: Request, limit: int, too_large: Callable[[], APIError]) -> bytes:
-    """The body, size-checked while it streams in. A client that hangs up before sending all of it
-    is a 499 (nobody reads it; logged and counted as the client's doing, not as a server error)."""
+    """The body, size-checked while it streams in, within BODY_READ_TIMEOUT_S (past it a 400, as
+    Anthropic's API answers a body that did not finish arriving in time: `request_body_timeout`). A
+    client that hangs up before sending all of it is a 499 (nobody reads it; logged and counted
+    as the client's doing, not as a server error)."""
     chunks, size = [], 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large()
-            chunks.append(chunk)
+        async with asyncio.timeout(BODY_READ_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large()
+                chunks.append(chunk)
     except ClientDisconnect:
         raise APIError(CLIENT_CLOSED, "the client disconnected while sending its request") from None
+    except TimeoutError:
+        seconds = f"{BODY_READ_TIMEOUT_S:.0f} s"
+        raise APIError(400, f"the request body did not finish arriving within {seconds}") from None
     return b"".join(chunks)
 
 

@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ikcode.auth import OWNER, tokens_equal
 from ikcode.gateway.errors import APIError, invalid_request
+from ikcode.gateway.same_machine import foreign_request
 from ikcode.gateway.settings import GatewaySettings
 from ikcode.gateway.sse import OUTCOME_KEY
 
@@ -34,7 +35,8 @@ class EdgeState(Protocol):
 
 
 class EdgeMiddleware:
-    """Path prefix stripping, the Content-Length size check and request counting, in one pass."""
+    """Path prefix stripping, the same-machine check of a loopback server (same_machine.py), the
+    Content-Length size check and request counting, in one pass."""
 
     def __init__(self, app: ASGIApp, gw: EdgeState):
         self.app = app
@@ -72,6 +74,9 @@ class EdgeMiddleware:
 
         length = dict(scope.get("headers") or []).get(b"content-length")
         try:
+            refused = foreign_request(scope.get("headers") or []) if self.gw.settings.bind_loopback else None
+            if refused is not None:
+                return await error_response(APIError(403, refused))(scope, receive, counting_send)
             if length is not None and length.isdigit() and int(length) > body_limit(self.gw):
                 response = error_response(too_large(self.gw))
                 return await response(scope, receive, counting_send)

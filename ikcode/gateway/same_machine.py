@@ -1,0 +1,48 @@
+"""A server bound to loopback answers only requests addressed to this machine.
+
+Loopback keeps other machines out, but not the web pages this machine's browser opens: a page
+can POST to http://127.0.0.1:PORT (a text/plain body needs no CORS preflight), and with DNS
+rebinding (its own host name re-pointed at 127.0.0.1) read the answers too. Such a request
+names the page's host in `Host`, or carries the page's `Origin`; a client on this machine
+(Claude Code, the SDK, curl) names a loopback host and sends no foreign Origin. So, on a
+loopback server, a request whose Host or Origin is not this machine is refused with a 403.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+from ikcode.auth import is_loopback
+
+
+def _hostname(authority: str) -> str:
+    """The host of a Host header value ("127.0.0.1:8080", "[::1]:80", "localhost")."""
+    return (urlsplit(f"//{authority}").hostname or "").rstrip(".").lower()
+
+
+def is_this_machine(hostname: str) -> bool:
+    """localhost (and *.localhost, RFC 6761), a loopback address, or this machine's own name
+    (which /etc/hosts commonly maps to 127.0.1.1)."""
+    if hostname == "localhost" or hostname.endswith(".localhost") or is_loopback(hostname):
+        return True
+    return hostname == socket.gethostname().lower()
+
+
+def foreign_request(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+    """Why a request to a loopback server is not from this machine, or None when it may be."""
+    seen = {name.lower(): value.decode("latin-1") for name, value in headers}
+    host = seen.get(b"host")
+    if host is not None and not is_this_machine(_hostname(host)):
+        return (
+            f"this server listens on loopback and answers only requests addressed to this machine "
+            f"(Host {host[:100]!r}); use http://127.0.0.1 or http://localhost"
+        )
+    origin = seen.get(b"origin")
+    if origin is not None and not is_this_machine((urlsplit(origin).hostname or "").lower()):
+        return (
+            f"this server listens on loopback and does not answer web pages from other sites "
+            f"(Origin {origin[:100]!r})"
+        )
+    return None

@@ -216,6 +216,29 @@ def test_a_previous_render_serves_only_its_own_user(server):
     assert send("bob", second)["render_reused_tokens"] > 0  # his own repeat does reuse
 
 
+def test_a_session_id_is_its_users_own(server):
+    """Bob sending Alice's session id is a session of his own: his prompt is not compared with
+    hers in the log (prefix_shared_tokens), nor does it take her place (her next turn is still
+    compared with her own previous prompt, all of it shared)."""
+    alice = [{"role": "user", "content": "Alice's draft: " + "merge the branches " * 20}]
+    bob = [{"role": "user", "content": "Bob's draft: " + "merge the branches " * 20}]
+    headers = {"x-claude-code-session-id": "a-session-id-both-send"}
+
+    def send(user: str, messages: list[dict]) -> dict:
+        reply = client(server, user).messages.create(
+            model=MODEL, max_tokens=1, messages=messages, extra_headers=headers
+        )
+        wait_idle(server[1])
+        lines = server[2].read_text().splitlines()
+        return next(r for r in map(json.loads, reversed(lines)) if r["request_id"] == reply.id)
+
+    assert "prefix_shared_tokens" not in send("alice", alice)
+    bobs = send("bob", bob)
+    assert "prefix_shared_tokens" not in bobs and bobs["session_id"] == headers["x-claude-code-session-id"]
+    again = send("alice", alice)
+    assert again["prefix_shared_tokens"] == again["previous_prompt_tokens"] == again["prompt_tokens"]
+
+
 def test_a_remembered_reply_serves_only_its_own_user(server):
     """An assistant turn the server generated is rendered with the ids it generated (not its
     text's), but only for the user it was generated for: for Bob, Alice's exchange renders from

@@ -184,6 +184,9 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
     arrived = time.monotonic()
     request_id = new_message_id()
     session_id = request.headers.get("x-claude-code-session-id")
+    # Within the server a session is its user's own: another token sending the same id (a script's
+    # fixed id, a copied header) neither reads this session's state nor rides its admission slot.
+    session_key = f"{user}/{session_id}" if session_id and user else session_id
     record: dict[str, Any] = {
         "ts": now_iso(),
         "request_id": request_id,
@@ -201,7 +204,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
         salt = user_salt(gw, user)
         rendered, lookup, block_hashes = await run_in_threadpool(
-            _render_and_lookup, gw, body, salt, session_id, record
+            _render_and_lookup, gw, body, salt, session_key, record
         )
         summary = is_summary_request(body)
         if summary:  # a compaction: a cold read of the whole conversation and a long summary
@@ -224,13 +227,13 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
             sampling = replace(sampling, max_tokens=record["summary_max_tokens"])
         # An agent step (a session with tools) usually comes back within seconds, after its tool
         # runs: ask the cache to keep that session's tail on the device for a bounded time.
-        hold = gw.settings.session_hold_s if (session_id and body.tools) else None
+        hold = gw.settings.session_hold_s if (session_key and body.tools) else None
         engine_request = EngineRequest(
             request_id,
             rendered.token_ids,
             sampling,
             salt,
-            session_id,
+            session_key,
             hold_tail_s=hold,
             block_hashes=block_hashes,
         )

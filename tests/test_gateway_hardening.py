@@ -189,7 +189,7 @@ def test_non_streaming_hang_up_aborts_the_engine_work(tmp_path):
         body = json.dumps(message(max_tokens=SCRIPT_TOKENS)).encode()
         with socket.create_connection(("127.0.0.1", server.port)) as sock:
             sock.sendall(
-                b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"POST /v1/messages HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
                 + f"content-length: {len(body)}\r\n\r\n".encode()
                 + body
             )
@@ -334,7 +334,7 @@ def test_a_client_leaving_while_sending_its_body_is_a_499_not_a_500(served, path
     for _ in range(3):
         with socket.create_connection((host, int(port))) as sock:
             sock.sendall(
-                f"POST {path} HTTP/1.1\r\nhost: x\r\nx-api-key: {TOKEN}\r\n"
+                f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nx-api-key: {TOKEN}\r\n"
                 "content-type: application/json\r\ncontent-length: 1000\r\n\r\n".encode()
                 + b'{"model": "tiny", "messages": ['
             )

@@ -76,10 +76,12 @@ def test_a_web_page_is_refused_before_the_engine(loopback, headers):
         assert httpx.get(f"{background.url}{path}", headers=headers, timeout=30).status_code == 403
 
 
-def test_an_exposed_server_leaves_it_to_its_tokens():
-    """Bound beyond loopback, names other than this machine's are how clients reach it: the
-    token decides (here a 401 without one, a 200 with it), not the Host."""
-    background, engine = _server(auth_tokens={"alice": "ik-alice-0123456789"}, bind_loopback=False)
+@pytest.mark.parametrize("bind_loopback", [False, True])
+def test_a_server_with_tokens_leaves_it_to_them(bind_loopback):
+    """Bound beyond loopback, or behind a reverse proxy on this machine that passes on its public
+    Host, names other than this machine's are how clients reach it: the token decides (a 401
+    without one, a 200 with it), not the Host."""
+    background, engine = _server(auth_tokens={"alice": "ik-alice-0123456789"}, bind_loopback=bind_loopback)
     try:
         url, far = f"{background.url}/v1/messages", {"host": "gpu-box.internal:8080"}
         assert httpx.post(url, json=BODY, headers=far, timeout=30).status_code == 401

@@ -41,7 +41,7 @@ def _send_then_hang_up(url: str, body: dict, after_s: float) -> None:
     host, port = url.removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
     with socket.create_connection((host, int(port))) as conn:
-        head = "POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        head = "POST /v1/messages HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         head += f"x-api-key: {FRONT_TOKEN}\r\ncontent-length: {len(raw)}\r\n\r\n"
         conn.sendall(head.encode() + raw)
         time.sleep(after_s)

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ikcode.auth import OWNER, tokens_equal
 from ikcode.gateway.errors import APIError, invalid_request
-from ikcode.gateway.same_machine import foreign_request
+from ikcode.gateway.same_machine import foreign_request, same_machine_only
 from ikcode.gateway.settings import GatewaySettings
 from ikcode.gateway.sse import OUTCOME_KEY
 
@@ -74,7 +74,8 @@ class EdgeMiddleware:
 
         length = dict(scope.get("headers") or []).get(b"content-length")
         try:
-            refused = foreign_request(scope.get("headers") or []) if self.gw.settings.bind_loopback else None
+            local = same_machine_only(self.gw.settings)
+            refused = foreign_request(scope.get("headers") or []) if local else None
             if refused is not None:
                 return await error_response(APIError(403, refused))(scope, receive, counting_send)
             if length is not None and length.isdigit() and int(length) > body_limit(self.gw):

@@ -5,7 +5,9 @@ can POST to http://127.0.0.1:PORT (a text/plain body needs no CORS preflight), a
 rebinding (its own host name re-pointed at 127.0.0.1) read the answers too. Such a request
 names the page's host in `Host`, or carries the page's `Origin`; a client on this machine
 (Claude Code, the SDK, curl) names a loopback host and sends no foreign Origin. So, on a
-loopback server, a request whose Host or Origin is not this machine is refused with a 403.
+loopback server without tokens, a request whose Host or Origin is not this machine is refused
+with a 403. Where tokens are required a page has none to send (a 401), and a reverse proxy on
+this machine may pass on its public Host: the tokens decide there.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 from ikcode.auth import is_loopback
+from ikcode.gateway.settings import GatewaySettings
+
+
+def same_machine_only(settings: GatewaySettings) -> bool:
+    """Whether the server answers only requests addressed to this machine."""
+    return settings.bind_loopback and not settings.auth_tokens
 
 
 def _hostname(authority: str) -> str:

@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from uvicorn.server import HANDLED_SIGNALS
 
 from ikcode.gateway.drain import CUT_GRACE_S, drain
+from ikcode.gateway.head_deadline import HeadDeadlineProtocol
 
 
 def _config(app: FastAPI, host: str, port: int, log_level: str, graceful_timeout_s: int) -> uvicorn.Config:
@@ -25,6 +26,7 @@ def _config(app: FastAPI, host: str, port: int, log_level: str, graceful_timeout
         access_log=False,  # the gateway writes its own request log, without prompt text
         timeout_graceful_shutdown=graceful_timeout_s,  # in-flight streams get this long on SIGTERM
         lifespan="on",
+        http=HeadDeadlineProtocol,  # h11, with a deadline on each request head (head_deadline.py)
     )
 
 

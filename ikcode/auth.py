@@ -146,3 +146,9 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def user_session(user: str | None, session_id: str | None) -> str | None:
+    """The key a session id is remembered by within the server: the user's own. A newline joins
+    them (a token name is printable, so "team" + "alice/s1" cannot meet "team/alice" + "s1")."""
+    return f"{user}\n{session_id}" if user and session_id else session_id

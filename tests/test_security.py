@@ -239,6 +239,13 @@ def test_a_session_id_is_its_users_own(server):
     assert again["prefix_shared_tokens"] == again["previous_prompt_tokens"] == again["prompt_tokens"]
 
 
+def test_a_users_session_key_cannot_be_spelled_by_another_user():
+    from ikcode.auth import user_session
+
+    assert user_session("team", "alice/s1") != user_session("team/alice", "s1")
+    assert user_session(None, "s1") == "s1" and user_session("alice", None) is None
+
+
 def test_a_remembered_reply_serves_only_its_own_user(server):
     """An assistant turn the server generated is rendered with the ids it generated (not its
     text's), but only for the user it was generated for: for Bob, Alice's exchange renders from

@@ -12,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from ikcode.auth import user_session
 from ikcode.engines.base import (
     CacheLookup,
     EngineError,
@@ -186,7 +187,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
     session_id = request.headers.get("x-claude-code-session-id")
     # Within the server a session is its user's own: another token sending the same id (a script's
     # fixed id, a copied header) neither reads this session's state nor rides its admission slot.
-    session_key = f"{user}/{session_id}" if session_id and user else session_id
+    session_key = user_session(user, session_id)
     record: dict[str, Any] = {
         "ts": now_iso(),
         "request_id": request_id,

@@ -8,6 +8,7 @@ from typing import Any
 
 import httpx
 
+from ikcode.auth import user_session
 from ikcode.gateway.edge import check_concurrency
 from ikcode.gateway.request_log import RequestLog, now_iso
 from ikcode.gateway.settings import GatewaySettings
@@ -65,7 +66,7 @@ class Upstream:
         session = request.headers.get("x-claude-code-session-id")
         if not session or not self.settings.salts_per_user:
             return session
-        return f"{user or ''}/{session}"
+        return user_session(user or "", session)
 
     def first_token(self, record: dict) -> None:
         if self.admission is not None:

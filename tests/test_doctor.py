@@ -231,6 +231,17 @@ def test_silent_miss_blames_eviction_when_the_cache_hits_elsewhere():
     assert result["per_session"]["b"]["misses"] == 1 and result["per_session"]["a"]["misses"] == 0
 
 
+def test_silent_miss_keeps_each_users_session_apart():
+    """Two tokens sending one session id are two sessions, as the gateway keeps them: bob's first
+    turn is no repeat of alice's (it was read under his own salt), so no miss."""
+    alice1 = {**_record("s", 10_000, 0, 500), "user": "alice"}
+    bob1 = {**_record("s", 10_000, 0, 500, second=1), "user": "bob"}
+    alice2 = {**_record("s", 10_200, 10_000, 50, shared=10_000, second=2), "user": "alice"}
+    result = analyse([alice1, bob1, alice2])
+    assert result["miss_count"] == 0 and result["pairs_checked"] == 1
+    assert result["repeat_hit_rate"] == 1.0
+
+
 def test_tail_fails_when_warm_turns_queue(tmp_path, project):
     log = tmp_path / "requests.jsonl"
     records = [_record(f"s{i}", 1000, 990, 20_000) for i in range(10)]  # warm turns starting after 20 s

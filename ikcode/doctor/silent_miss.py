@@ -50,10 +50,14 @@ def _overlaps(previous: dict[str, Any], current: dict[str, Any]) -> bool:
 
 
 def analyse(records: list[dict[str, Any]]) -> dict[str, Any]:
+    # A session is its user's own (the gateway compares a prompt only with the same user's
+    # previous one): another token sending the same id is another session.
     sessions: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
         if record.get("session_id") and not record.get("error"):
-            sessions[record["session_id"]].append(record)
+            user = record.get("user")
+            name = record["session_id"] if not user else f"{record['session_id']} ({user})"
+            sessions[name].append(record)
     any_hit = any(cached_tokens(r) > 0 for r in records)
     per_session: dict[str, dict[str, Any]] = {}
     misses: list[dict[str, Any]] = []

@@ -55,6 +55,8 @@ def test_clients_on_this_machine_are_answered(loopback):
         {"origin": "https://evil.example"},  # a cross-site page's POST
         {"origin": "null"},  # a sandboxed frame or a file:// page
         {"host": "127.0.0.1.evil.example:8080"},
+        {"host": "[evil]"},  # unparseable: refused, not a 500
+        {"origin": "http://["},
     ],
 )
 def test_a_web_page_is_refused_before_the_engine(loopback, headers):
@@ -94,7 +96,16 @@ def test_a_server_with_tokens_leaves_it_to_them(bind_loopback):
 
 @pytest.mark.parametrize(
     "host",
-    ["127.0.0.1:8080", "localhost", "LOCALHOST.:80", "[::1]:8080", "127.0.0.2", "app.localhost:1"],
+    [
+        "127.0.0.1:8080",
+        "localhost",
+        "LOCALHOST.:80",
+        "[::1]:8080",
+        "127.0.0.2",
+        "app.localhost:1",
+        "0.0.0.0:8080",  # reaches a loopback listener on Linux and macOS
+        "[::]:8080",
+    ],
 )
 def test_names_of_this_machine(host):
     assert foreign_request([(b"host", host.encode())]) is None

@@ -12,6 +12,7 @@ this machine may pass on its public Host: the tokens decide there.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from collections.abc import Iterable
 from urllib.parse import urlsplit
@@ -25,16 +26,29 @@ def same_machine_only(settings: GatewaySettings) -> bool:
     return settings.bind_loopback and not settings.auth_tokens
 
 
-def _hostname(authority: str) -> str:
-    """The host of a Host header value ("127.0.0.1:8080", "[::1]:80", "localhost")."""
-    return (urlsplit(f"//{authority}").hostname or "").rstrip(".").lower()
+def _hostname(url: str) -> str | None:
+    """The host of a URL ("http://localhost:3000") or of "//" + a Host value ("//[::1]:80");
+    None when it cannot be parsed (urlsplit refuses "[", "[evil]"): not this machine."""
+    try:
+        return (urlsplit(url).hostname or "").rstrip(".").lower()
+    except ValueError:
+        return None
 
 
-def is_this_machine(hostname: str) -> bool:
-    """localhost (and *.localhost, RFC 6761), a loopback address, or this machine's own name
+def is_this_machine(hostname: str | None) -> bool:
+    """localhost (and *.localhost, RFC 6761), a loopback address, the unspecified address
+    (http://0.0.0.0:PORT reaches a loopback listener on Linux and macOS; an address is no
+    rebinding target, and a page's requests carry its Origin), or this machine's own name
     (which /etc/hosts commonly maps to 127.0.1.1)."""
+    if hostname is None:
+        return False
     if hostname == "localhost" or hostname.endswith(".localhost") or is_loopback(hostname):
         return True
+    try:
+        if ipaddress.ip_address(hostname).is_unspecified:
+            return True
+    except ValueError:
+        pass
     return hostname == socket.gethostname().lower()
 
 
@@ -42,13 +56,13 @@ def foreign_request(headers: Iterable[tuple[bytes, bytes]]) -> str | None:
     """Why a request to a loopback server is not from this machine, or None when it may be."""
     seen = {name.lower(): value.decode("latin-1") for name, value in headers}
     host = seen.get(b"host")
-    if host is not None and not is_this_machine(_hostname(host)):
+    if host is not None and not is_this_machine(_hostname(f"//{host}")):
         return (
             f"this server listens on loopback and answers only requests addressed to this machine "
             f"(Host {host[:100]!r}); use http://127.0.0.1 or http://localhost"
         )
     origin = seen.get(b"origin")
-    if origin is not None and not is_this_machine((urlsplit(origin).hostname or "").lower()):
+    if origin is not None and not is_this_machine(_hostname(origin)):
         return (
             f"this server listens on loopback and does not answer web pages from other sites "
             f"(Origin {origin[:100]!r})"

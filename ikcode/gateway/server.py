@@ -27,6 +27,7 @@ def _config(app: FastAPI, host: str, port: int, log_level: str, graceful_timeout
         timeout_graceful_shutdown=graceful_timeout_s,  # in-flight streams get this long on SIGTERM
         lifespan="on",
         http=HeadDeadlineProtocol,  # h11, with a deadline on each request head (head_deadline.py)
+        ws="none",  # no WebSocket routes: an upgrade request is answered as plain HTTP
     )
 
 

@@ -280,3 +280,19 @@ def test_several_users_on_an_anthropic_upstream_share_its_cache_only_when_told(t
         front_app(tmp_path, "anthropic", ["http://127.0.0.1:9"], settings={"auth_tokens": users})
     shared = {"auth_tokens": users, "cache_salt_per_user": False}
     assert front_app(tmp_path, "anthropic", ["http://127.0.0.1:9"], settings=shared) is not None
+
+
+def test_a_browser_clients_origin_stays_at_the_front(tmp_path):
+    """A front that requires tokens serves a browser-based client (its requests carry an Origin);
+    a loopback replica without tokens refuses foreign Origins (same_machine.py), so the front,
+    having applied its own policy, does not pass the Origin (or Referer) on."""
+    open_replica = EmbeddedReplica(tmp_path, name="open", auth_tokens={})
+    srv = front_server(tmp_path, "anthropic", [open_replica.url], token=None)
+    try:
+        body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        page = {"x-api-key": FRONT_TOKEN, "origin": "https://app.example", "referer": "https://app.example/"}
+        answer = httpx.post(srv.url + "/v1/messages", json=body, headers=page, timeout=30)
+        assert answer.status_code == 200, answer.text
+    finally:
+        srv.stop()
+        open_replica.stop()

@@ -20,8 +20,9 @@ from .state import Upstream
 
 logger = logging.getLogger("ikcode.upstream")
 
-# Request headers never forwarded: hop-by-hop, sizes we recompute, and the client's credentials
-# for ikcode (the upstream gets its own token).
+# Request headers never forwarded: hop-by-hop, sizes we recompute, the client's credentials
+# for ikcode (the upstream gets its own token), and where a browser's page came from (this front
+# has applied its own policy; a loopback replica would refuse a foreign Origin: same_machine.py).
 _DROP_REQUEST = {
     "host",
     "content-length",
@@ -34,6 +35,8 @@ _DROP_REQUEST = {
     "accept-encoding",
     "te",
     "proxy-authorization",
+    "origin",
+    "referer",
 }
 # Response headers passed back to the client (status and error semantics live in these).
 _KEEP_RESPONSE = ("content-type", "retry-after", "x-should-retry", "request-id", "x-request-id")

@@ -11,6 +11,7 @@ import anthropic
 import httpx
 import pytest
 
+from ikcode.auth import user_session
 from ikcode.gateway.server import BackgroundServer
 from tests.test_gateway_support import hang_up_before_the_first_chunk
 from tests.test_upstream_support import (
@@ -296,3 +297,23 @@ def test_a_browser_clients_origin_stays_at_the_front(tmp_path):
     finally:
         srv.stop()
         open_replica.stop()
+
+
+def test_a_session_id_is_its_users_own_when_the_cache_is_shared(tmp_path, replica):
+    """With one cache for all (salt_per_user = false), a session is still its user's own in
+    routing and admission: bob sending alice's session id neither moves it nor takes its slot."""
+    users = {"alice": FRONT_TOKEN, "bob": "ik-bob-0123456789"}
+    settings = {"auth_tokens": users, "cache_salt_per_user": False}
+    app = front_app(tmp_path, "anthropic", [replica.url], settings=settings)
+    srv = BackgroundServer(app).start()
+    try:
+        body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        for token in users.values():
+            headers = {"x-api-key": token, "x-claude-code-session-id": "s-1"}
+            answer = httpx.post(srv.url + "/v1/messages", json=body, headers=headers, timeout=60)
+            assert answer.status_code == 200, answer.text
+        up = app.state.upstream
+        own = sorted(user_session(name, "s-1") for name in users)
+        assert sorted(up.router.session_replica) == own and len(own) == 2
+    finally:
+        srv.stop()

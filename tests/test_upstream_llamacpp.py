@@ -19,6 +19,7 @@ import anthropic
 import httpx
 import pytest
 
+from ikcode.auth import user_session
 from ikcode.gateway import BackgroundServer
 from tests.test_upstream_support import FRONT_TOKEN, front_app, front_records, front_server
 
@@ -243,7 +244,8 @@ def test_each_user_has_a_cache_salt_of_their_own(llama_server, tmp_path):
         # Routing and admission remember a session within its user's namespace: one user who
         # learns another's session id neither moves that session nor resets its admission memory.
         up = app.state.upstream
-        assert sorted(up.router.session_replica) == ["alice/s-1", "bob/s-1"]
-        assert sorted(up.admission.sessions) == ["alice/s-1", "bob/s-1"]
+        own = sorted(user_session(name, "s-1") for name in users)
+        assert sorted(up.router.session_replica) == own and len(own) == 2
+        assert sorted(up.admission.sessions) == own
     finally:
         srv.stop()

@@ -11,6 +11,7 @@ from dataclasses import replace
 import httpx
 import pytest
 
+from ikcode.auth import user_session
 from ikcode.gateway import BackgroundServer
 from ikcode.upstream import Router
 from tests.test_upstream_support import FRONT_TOKEN, EmbeddedReplica, front_app, front_records, front_server
@@ -176,12 +177,13 @@ def test_session_memory_is_bounded_by_count_and_idle_time(tmp_path, monkeypatch)
                 turn(f"s-{i}")
             assert len(up.router.session_replica) == 10 and len(up.admission.sessions) == 10
             assert http.get(srv.url + "/health").json()["replicas"][0]["sessions"] == 10
-            assert list(up.router.session_replica)[-1] == "s-29"  # the most recent are kept
+            assert list(up.router.session_replica)[-1] == user_session("alice", "s-29")  # most recent kept
             monkeypatch.setattr(router, "SESSION_MEMORY_S", 0.2)
             monkeypatch.setattr(up.admission, "config", replace(up.admission.config, session_memory_s=0.2))
             time.sleep(0.3)
             turn("s-new")
-            assert list(up.router.session_replica) == ["s-new"] and list(up.admission.sessions) == ["s-new"]
+            new = [user_session("alice", "s-new")]  # alice: the front's one token
+            assert list(up.router.session_replica) == new and list(up.admission.sessions) == new
             assert http.get(srv.url + "/health").json()["replicas"][0]["sessions"] == 1
     finally:
         srv.stop()

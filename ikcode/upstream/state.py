@@ -61,12 +61,10 @@ class Upstream:
 
     def session_key(self, user: str | None, request: Any) -> str | None:
         """The key routing and admission remember a request's session by: Claude Code's session
-        header, within the user's own namespace when users' caches are kept apart (one user who
-        learns another's session id must not move that session or reset its admission memory)."""
-        session = request.headers.get("x-claude-code-session-id")
-        if not session or not self.settings.salts_per_user:
-            return session
-        return user_session(user or "", session)
+        header within the user's own namespace, as the gateway keeps it, whether or not their
+        caches are shared (one user who learns another's session id must not move that session
+        or reset its admission memory)."""
+        return user_session(user, request.headers.get("x-claude-code-session-id"))
 
     def first_token(self, record: dict) -> None:
         if self.admission is not None:

@@ -6,10 +6,12 @@ hold several named tokens (one per user, revocable) in `tokens.json` beside it.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import os
 import secrets
+import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -152,3 +154,11 @@ def user_session(user: str | None, session_id: str | None) -> str | None:
     """The key a session id is remembered by within the server: the user's own. A newline joins
     them (a token name is printable, so "team" + "alice/s1" cannot meet "team/alice" + "s1")."""
     return f"{user}\n{session_id}" if user and session_id else session_id
+
+
+def forwarded_session_id(session_key: str) -> str:
+    """A user's session as the one id a server behind the upstream front sees. The front signs in
+    there with its own token for all its users, so a session id passed on as it came would be one
+    session there for every user who sent it; a digest of the user's own key keeps them apart (and
+    the same for each of that user's turns). UUID-shaped, like Claude Code's own ids."""
+    return str(uuid.UUID(bytes=hashlib.blake2b(session_key.encode(), digest_size=16).digest()))

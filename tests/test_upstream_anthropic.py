@@ -11,7 +11,7 @@ import anthropic
 import httpx
 import pytest
 
-from ikcode.auth import user_session
+from ikcode.auth import forwarded_session_id, user_session
 from ikcode.gateway.server import BackgroundServer
 from tests.test_gateway_support import hang_up_before_the_first_chunk
 from tests.test_upstream_support import (
@@ -77,7 +77,9 @@ def test_create_and_stream_with_cache_reported_by_upstream(front, front_dir, rep
     assert warm["prompt_tokens"] == final.usage.input_tokens + final.usage.cache_read_input_tokens
     assert warm["ttft_ms"] > 0 and warm["replica"] == "r0" and warm["session_id"] == "sess-anthropic-1"
     upstream_seen = replica.records()[-1]
-    assert upstream_seen["session_id"] == "sess-anthropic-1" and upstream_seen["user"] == "front"
+    # The replica knows the front's one token: the session goes there as alice's own (its digest).
+    alices = forwarded_session_id(user_session("alice", "sess-anthropic-1"))
+    assert upstream_seen["session_id"] == alices and upstream_seen["user"] == "front"
     health = httpx.get(front.url + "/health", headers={"x-api-key": FRONT_TOKEN}).json()
     assert health["engine"] == "upstream" and health["hit_rate_source"] == "reported_by_upstream"
     assert health["requests"] >= 2 and health["errors"] == 0  # answered vs the server's errors
@@ -315,5 +317,11 @@ def test_a_session_id_is_its_users_own_when_the_cache_is_shared(tmp_path, replic
         up = app.state.upstream
         own = sorted(user_session(name, "s-1") for name in users)
         assert sorted(up.router.session_replica) == own and len(own) == 2
+        # The replica, which knows only the front's token, is given each user's own session too
+        # (the same id for each of a user's turns), never the id as it came.
+        headers = {"x-api-key": FRONT_TOKEN, "x-claude-code-session-id": "s-1"}
+        assert httpx.post(srv.url + "/v1/messages", json=body, headers=headers, timeout=60).status_code == 200
+        seen = [r["session_id"] for r in replica.records()[-3:]]
+        assert seen[0] == seen[2] != seen[1] and "s-1" not in seen, seen
     finally:
         srv.stop()

@@ -89,9 +89,10 @@ async def forward_messages(
     content, body = _body_for_upstream(up, raw, parsed)
     record.update(model=body.get("model"), stream=bool(body.get("stream")))
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    headers = upstream_headers(up, request.headers, anthropic=True)
+    session = up.session_key(record.get("user"), request)
+    headers = upstream_headers(up, request.headers, anthropic=True, session_key=session)
     replica, response, attempts = await open_stream(
-        up, request, path, content, headers, up.session_key(record.get("user"), request), prefix_key(body)
+        up, request, path, content, headers, session, prefix_key(body)
     )
     record.update(replica=replica.name, attempts=attempts, status=response.status_code)
     tap = _Tap()
@@ -183,9 +184,8 @@ def _finish(up: Upstream, record: dict[str, Any], tap: _Tap, arrived: float) -> 
 async def forward_count_tokens(up: Upstream, request: Request, raw: bytes, user: str | None) -> Response:
     content, body = _body_for_upstream(up, raw)
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-    headers = upstream_headers(up, request.headers, anthropic=True)
-    replica, response, _ = await open_stream(
-        up, request, path, content, headers, up.session_key(user, request), prefix_key(body)
-    )
+    session = up.session_key(user, request)
+    headers = upstream_headers(up, request.headers, anthropic=True, session_key=session)
+    replica, response, _ = await open_stream(up, request, path, content, headers, session, prefix_key(body))
     data = await read_answer(up, request, replica, response)
     return Response(data, status_code=response.status_code, headers=response_headers(response))

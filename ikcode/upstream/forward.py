@@ -12,6 +12,7 @@ import anyio
 import httpx
 from fastapi import Request
 
+from ikcode.auth import forwarded_session_id
 from ikcode.gateway.edge import CLIENT_CLOSED, unless_client_leaves
 from ikcode.gateway.errors import APIError
 
@@ -38,12 +39,20 @@ _DROP_REQUEST = {
     "origin",
     "referer",
 }
+SESSION_HEADER = "x-claude-code-session-id"
 # Response headers passed back to the client (status and error semantics live in these).
 _KEEP_RESPONSE = ("content-type", "retry-after", "x-should-retry", "request-id", "x-request-id")
 
 
-def upstream_headers(up: Upstream, incoming: Any, anthropic: bool) -> dict[str, str]:
+def upstream_headers(
+    up: Upstream, incoming: Any, anthropic: bool, session_key: str | None = None
+) -> dict[str, str]:
+    """The headers a request goes upstream with; `session_key` is the front's key for its session
+    (Upstream.session_key): where it is a user's own, the replica is given its digest
+    (auth.forwarded_session_id), not the id as it came."""
     headers = {k: v for k, v in incoming.items() if k.lower() not in _DROP_REQUEST} if anthropic else {}
+    if anthropic and session_key is not None and session_key != incoming.get(SESSION_HEADER):
+        headers[SESSION_HEADER] = forwarded_session_id(session_key)
     headers["content-type"] = "application/json"
     headers["accept-encoding"] = "identity"  # relay bytes as they come, no re-compression
     headers.update(up.config.headers)

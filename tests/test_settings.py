@@ -41,12 +41,21 @@ def test_settings_write_keeps_other_keys_backs_up_and_removes(tmp_path, monkeypa
     assert data["modelOverrides"] == {"claude-opus-4-8": "smollm2-135m-instruct"}
     assert stat.S_IMODE(os.stat(local).st_mode) == 0o600
     backups = list(local.parent.glob("settings.local.json.bak-*"))
-    assert backups and "ANTHROPIC_API_KEY" in backups[0].read_text()
+    assert backups and json.loads(backups[0].read_text())["env"]["ANTHROPIC_API_KEY"] == "x"
+    token = data["env"]["ANTHROPIC_AUTH_TOKEN"]
+    assert token.startswith(auth.TOKEN_PREFIX)
 
     result = runner.invoke(main, ["settings", "--remove"])
     assert result.exit_code == 0, result.output
     data = json.loads(local.read_text())
     assert data == {"permissions": {"allow": ["Bash(ls)"]}, "env": {"FOO": "1"}}
+    # Removing leaves no copy of the token behind (a project's backups are not git-ignored), and
+    # the first backup, the user's own key in it, is still there (same second, another name).
+    backups = sorted(local.parent.glob("settings.local.json.bak-*"))
+    assert len(backups) == 2 and all(token not in b.read_text() for b in backups)
+    assert ['"x"' in b.read_text() for b in backups] == [True, False]
+    assert json.loads(backups[1].read_text())["env"]["FOO"] == "1"
+    assert all(stat.S_IMODE(os.stat(b).st_mode) == 0o600 for b in backups)
 
 
 def test_settings_refuses_to_clobber_invalid_json(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ikcode.auth import TOKEN_PREFIX
 from ikcode.launcher.rolemap import Mapping
 from ikcode.launcher.statusline import statusline_setting
 
@@ -61,21 +62,38 @@ def read_settings(path: Path) -> dict:
     return data
 
 
-def _write(path: Path, data: dict) -> Path | None:
-    """Write atomically with mode 0600 (the env block carries a token); return the backup path."""
+def _write(path: Path, data: dict, before: dict) -> Path | None:
+    """Write atomically with mode 0600 (the env block carries a token); return the backup path.
+    `before` is the file as read."""
     path.parent.mkdir(parents=True, exist_ok=True)
     backup = None
     if path.exists():
-        backup = path.with_name(f"{path.name}.bak-{time.strftime('%Y%m%d-%H%M%S')}")
-        shutil.copy2(path, backup)
-        os.chmod(backup, 0o600)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        backup = path.with_name(f"{path.name}.bak-{stamp}")
+        serial = 1
+        while backup.exists():  # a second write within the second keeps the first backup
+            serial += 1
+            backup = path.with_name(f"{path.name}.bak-{stamp}-{serial}")
+        env = before.get("env", {})
+        ours = [name for name in SECRET_VARS if str(env.get(name, "")).startswith(TOKEN_PREFIX)]
+        if ours:
+            # The backup keeps what the user had, not ikcode's token: a project's backup sits
+            # beside settings.local.json, which git is told to ignore, and is not ignored itself.
+            _dump(backup, {**before, "env": {k: v for k, v in env.items() if k not in ours}})
+        else:
+            shutil.copy2(path, backup)
+            os.chmod(backup, 0o600)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    _dump(tmp, data)
+    os.replace(tmp, path)
+    return backup
+
+
+def _dump(path: Path, data: dict) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         json.dump(data, handle, indent=2)
         handle.write("\n")
-    os.replace(tmp, path)
-    return backup
 
 
 def write_env_block(
@@ -84,7 +102,8 @@ def write_env_block(
     """Merge the mapping into path's env block, keeping every other key. Returns (backup, removed).
 
     With a statusline_command, Claude Code's `statusLine` runs it (replacing the file's own)."""
-    data = read_settings(path)
+    before = read_settings(path)
+    data = dict(before)
     env = dict(data.get("env", {}))
     removed = [name for name in mapping.unset if name in env]
     for name in removed:
@@ -99,14 +118,15 @@ def write_env_block(
         }
     if statusline_command:
         data["statusLine"] = statusline_setting(statusline_command)
-    return _write(path, data), removed
+    return _write(path, data, before), removed
 
 
 def remove_env_block(
     path: Path, names: tuple[str, ...], model_overrides: dict[str, str] | None = None
 ) -> tuple[Path | None, list[str]]:
     """Take the mapping's variables (and the model overrides it wrote) out of path again."""
-    data = read_settings(path)
+    before = read_settings(path)
+    data = dict(before)
     env = dict(data.get("env", {}))
     removed = [name for name in names if name in env]
     overrides = data.get("modelOverrides")
@@ -129,7 +149,7 @@ def remove_env_block(
             data["modelOverrides"] = kept
         else:
             data.pop("modelOverrides", None)
-    return _write(path, data), removed + [f"modelOverrides.{key}" for key in ours]
+    return _write(path, data, before), removed + [f"modelOverrides.{key}" for key in ours]
 
 
 @dataclass(frozen=True)

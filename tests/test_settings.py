@@ -8,7 +8,7 @@ from ikcode import auth
 from ikcode.cli import main
 from ikcode.launcher.claude import mapping_for
 from ikcode.launcher.rolemap import MODEL_ROLE_VARS
-from ikcode.launcher.settings import resolve, write_env_block
+from ikcode.launcher.settings import backups_dir, resolve, write_env_block
 from ikcode.profiles import load_profile
 
 
@@ -40,7 +40,9 @@ def test_settings_write_keeps_other_keys_backs_up_and_removes(tmp_path, monkeypa
     # A plain `claude` then knows the served model too (no unrecognized_model line).
     assert data["modelOverrides"] == {"claude-opus-4-8": "smollm2-135m-instruct"}
     assert stat.S_IMODE(os.stat(local).st_mode) == 0o600
-    backups = list(local.parent.glob("settings.local.json.bak-*"))
+    # Backups go to ikcode's state dir, not into the project (git would not ignore them there).
+    assert not list(local.parent.glob("*.bak-*")) and not list(local.parent.glob("*.tmp"))
+    backups = list(backups_dir().glob("*settings.local.json*.bak-*"))
     assert backups and json.loads(backups[0].read_text())["env"]["ANTHROPIC_API_KEY"] == "x"
     token = data["env"]["ANTHROPIC_AUTH_TOKEN"]
     assert token.startswith(auth.TOKEN_PREFIX)
@@ -51,11 +53,27 @@ def test_settings_write_keeps_other_keys_backs_up_and_removes(tmp_path, monkeypa
     assert data == {"permissions": {"allow": ["Bash(ls)"]}, "env": {"FOO": "1"}}
     # Removing leaves no copy of the token behind (a project's backups are not git-ignored), and
     # the first backup, the user's own key in it, is still there (same second, another name).
-    backups = sorted(local.parent.glob("settings.local.json.bak-*"))
+    backups = sorted(backups_dir().glob("*settings.local.json*.bak-*"))
     assert len(backups) == 2 and all(token not in b.read_text() for b in backups)
     assert ['"x"' in b.read_text() for b in backups] == [True, False]
     assert json.loads(backups[1].read_text())["env"]["FOO"] == "1"
     assert all(stat.S_IMODE(os.stat(b).st_mode) == 0o600 for b in backups)
+
+
+def test_settings_write_follows_no_link_and_leaves_no_readable_copy(tmp_path, monkeypatch):
+    """A repository can ship .claude/ with anything in it: a link where the settings file's temp
+    file would go must not be written through, nor a leftover temp file of another mode reused."""
+    monkeypatch.chdir(tmp_path)
+    local = tmp_path / ".claude" / "settings.local.json"
+    local.parent.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (local.parent / "settings.local.json.tmp").symlink_to(victim)
+    result = CliRunner().invoke(main, ["settings", "--write"])
+    assert result.exit_code == 0, result.output
+    assert victim.read_text() == "keep me"
+    assert not local.is_symlink() and stat.S_IMODE(os.stat(local).st_mode) == 0o600
+    assert json.loads(local.read_text())["env"]["ANTHROPIC_AUTH_TOKEN"].startswith(auth.TOKEN_PREFIX)
 
 
 def test_settings_refuses_to_clobber_invalid_json(tmp_path, monkeypatch):

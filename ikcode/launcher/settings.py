@@ -7,13 +7,16 @@ A settings file's `env` block beats the shell, and the files layer as: managed p
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import os
-import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ikcode import paths
 from ikcode.auth import TOKEN_PREFIX
 from ikcode.launcher.rolemap import Mapping
 from ikcode.launcher.statusline import statusline_setting
@@ -62,38 +65,57 @@ def read_settings(path: Path) -> dict:
     return data
 
 
+def backups_dir() -> Path:
+    """Where a settings file's backups go: ikcode's own state dir, not beside the file. A
+    project's .claude/ is inside its repository, where git ignores settings.local.json but would
+    not ignore a copy of it (and the user's own keys in it)."""
+    return paths.state_dir() / "settings-backups"
+
+
 def _write(path: Path, data: dict, before: dict) -> Path | None:
     """Write atomically with mode 0600 (the env block carries a token); return the backup path.
-    `before` is the file as read."""
+    `before` is the file as read. The new file starts as a temp file of a fresh name (mkstemp:
+    created, never opened through a link or a leftover of another mode) and replaces the old."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    backup = None
-    if path.exists():
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        backup = path.with_name(f"{path.name}.bak-{stamp}")
-        serial = 1
-        while backup.exists():  # a second write within the second keeps the first backup
-            serial += 1
-            backup = path.with_name(f"{path.name}.bak-{stamp}-{serial}")
-        env = before.get("env", {})
-        ours = [name for name in SECRET_VARS if str(env.get(name, "")).startswith(TOKEN_PREFIX)]
-        if ours:
-            # The backup keeps what the user had, not ikcode's token: a project's backup sits
-            # beside settings.local.json, which git is told to ignore, and is not ignored itself.
-            _dump(backup, {**before, "env": {k: v for k, v in env.items() if k not in ours}})
-        else:
-            shutil.copy2(path, backup)
-            os.chmod(backup, 0o600)
-    tmp = path.with_name(path.name + ".tmp")
-    _dump(tmp, data)
-    os.replace(tmp, path)
+    backup = _back_up(path, before) if path.exists() else None
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(_json(data))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return backup
 
 
-def _dump(path: Path, data: dict) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump(data, handle, indent=2)
-        handle.write("\n")
+def _back_up(path: Path, before: dict) -> Path:
+    """A mode-0600 copy of path under backups_dir(), less ikcode's own token (what the user had is
+    kept; a token is not left behind where the user removed it). A new file each time: a second
+    write within the same second gets the next number instead of replacing the first backup."""
+    env = before.get("env", {})
+    ours = [name for name in SECRET_VARS if str(env.get(name, "")).startswith(TOKEN_PREFIX)]
+    if ours:
+        content = _json({**before, "env": {k: v for k, v in env.items() if k not in ours}}).encode()
+    else:
+        content = path.read_bytes()
+    folder = paths.ensure(backups_dir())
+    where = hashlib.blake2b(str(path.resolve()).encode(), digest_size=4).hexdigest()
+    name = f"{path.parent.parent.name or 'root'}-{path.name}-{where}.bak-{time.strftime('%Y%m%d-%H%M%S')}"
+    for serial in itertools.count(1):
+        backup = folder / (name if serial == 1 else f"{name}-{serial}")
+        try:
+            fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(content)
+        return backup
+    raise AssertionError("unreachable")
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, indent=2) + "\n"
 
 
 def write_env_block(

@@ -51,8 +51,9 @@ def upstream_headers(
     (Upstream.session_key): where it is a user's own, the replica is given its digest
     (auth.forwarded_session_id), not the id as it came."""
     headers = {k: v for k, v in incoming.items() if k.lower() not in _DROP_REQUEST} if anthropic else {}
-    if anthropic and session_key is not None and session_key != incoming.get(SESSION_HEADER):
-        headers[SESSION_HEADER] = forwarded_session_id(session_key)
+    if anthropic and session_key is not None:  # the id routing used (the first of several headers)
+        own = session_key != incoming.get(SESSION_HEADER)
+        headers[SESSION_HEADER] = forwarded_session_id(session_key) if own else session_key
     headers["content-type"] = "application/json"
     headers["accept-encoding"] = "identity"  # relay bytes as they come, no re-compression
     headers.update(up.config.headers)

@@ -15,6 +15,7 @@ from ikcode.engines.base import (
     EngineShutdown,
     FinishReason,
     InvalidSampling,
+    LifecycleKind,
     PromptTooLong,
     SamplingParams,
     TokenOutOfVocab,
@@ -234,5 +235,74 @@ def test_a_failed_promotion_fails_only_the_request_admitted(monkeypatch):
         _, failed = again.collect(30)
         assert left["failures"] == 0 and "injected copy_host_to_device failure" in str(failed.error)
         _serves(engine)
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+
+
+def test_a_forward_failure_fails_only_the_request_that_causes_it():
+    """A batch whose forward raises (one request's bad chunk) runs again one request at a time:
+    the others in it finish as if nothing happened."""
+    engine = tiny_engine(start=False, kv_memory_bytes=1 << 20)
+    real_forward = engine.runner.model.forward
+
+    def forward(batch, k_pools, v_pools):
+        if bool(batch.input_ids.eq(TINY_VOCAB - 1).any()):
+            raise RuntimeError("injected failure of one request's rows")
+        return real_forward(batch, k_pools, v_pools)
+
+    engine.runner.model.forward = forward
+    try:
+        long = SamplingParams(max_tokens=10, ignore_eos=True)
+        good = [engine.submit(EngineRequest(f"g{i}", [5 + i] * 30, long)) for i in range(3)]
+        bad = engine.submit(EngineRequest("bad", [5] * 20 + [TINY_VOCAB - 1], long))
+        engine.start()  # all four share the first steps
+        for stream in good:
+            tokens, final = stream.collect(30)
+            assert len(tokens) == 10 and final.error is None, final.error
+        _, failed = bad.collect(30)
+        assert failed.finish_reason is FinishReason.ERROR and "injected failure" in str(failed.error)
+        wait_idle(engine)
+        assert_pool_clean(engine)
+        _serves(engine)
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+
+
+def test_a_finished_request_whose_blocks_cannot_be_committed_is_released_all_the_same(engine, monkeypatch):
+    """It stayed due for release, failing again every step: every later request failed with it."""
+    real = engine.blocks_to_commit
+
+    def blocks_to_commit(seq):
+        if seq.seq_id == "x":
+            raise ValueError("injected hashing failure")
+        return real(seq)
+
+    monkeypatch.setattr(engine, "blocks_to_commit", blocks_to_commit)
+    tokens, final = engine.submit(EngineRequest("x", list(range(3, 43)), OK)).collect(30)
+    assert len(tokens) == 4 and final.error is None
+    for _ in range(3):
+        _serves(engine)
+    wait_idle(engine)
+    assert not engine.scheduler.seqs
+    assert_pool_clean(engine)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_an_engine_thread_that_stops_ends_its_streams_and_refuses_new_work():
+    """Whatever ends the thread (here a listener raising SystemExit, which `except Exception` lets
+    through), no stream is left waiting and a later submit is refused, not queued for ever."""
+    engine = tiny_engine(kv_memory_bytes=1 << 20)
+
+    def listener(event):
+        if event.kind is LifecycleKind.ADMITTED and event.request_id == "x":
+            raise SystemExit("injected")
+
+    engine.add_listener(listener)
+    try:
+        _, final = engine.submit(EngineRequest("x", [5, 6, 7], OK)).collect(30)
+        assert final.error is not None
+        engine._thread.join(timeout=30)  # noqa: SLF001
+        with pytest.raises(EngineShutdown):
+            engine.submit(EngineRequest("y", [5, 6, 7], OK))
     finally:
         engine.shutdown(drain_timeout_s=5)

@@ -87,12 +87,15 @@ def test_a_warm_tail_gets_its_first_token_from_a_step_without_cold_prefill():
     _finish_all(engine)
 
 
-def test_a_stream_of_tails_never_starves_a_cold_prefill():
+@pytest.mark.parametrize("tail", [10, BUDGET], ids=["short tails", "tails that fill the budget"])
+def test_a_stream_of_tails_never_starves_a_cold_prefill(tail: int):
+    """Whether the tails leave budget over or the budget runs out before the loop reaches the
+    cold prefill (it was never marked passed over, and sat out every step)."""
     engine = _engine()
     _submit(engine, "cold", _prompt(3, 600))
     cold_steps = 0
     for i in range(12):  # a new warm tail before every step
-        _submit(engine, f"warm{i}", _prompt(10 + i, 10), max_tokens=1)
+        _submit(engine, f"warm{i}", _prompt(10 + i, tail), max_tokens=1)
         engine.step()
         cold_steps += "cold" in engine.ran[-1]
         if i:  # never two steps in a row without the cold prefill

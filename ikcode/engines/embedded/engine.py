@@ -177,6 +177,18 @@ class EmbeddedEngine:
 
     # ---- engine thread -----------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            if not self._abort_all:  # ended without shutdown (a BaseException got through)
+                logger.error("the engine thread stopped; failing its requests and refusing new ones")
+                self._stopping = True
+                try:
+                    self._abort_everything()
+                except Exception:
+                    logger.exception("ending the requests of a stopped engine failed")
+
+    def _serve(self) -> None:
         torch.set_num_threads(self.num_threads)
         while True:
             if self._abort_all:
@@ -225,9 +237,16 @@ class EmbeddedEngine:
         try:
             logits, which = self.runner.run(scheduled)
         except Exception as exc:
-            logger.exception("forward failed for %d sequences", len(scheduled))
-            for item in scheduled:
-                self._fail(item.seq, exc)
+            if len(scheduled) > 1:
+                # One request's failure (a chunk too big for memory, a bad input) must not end
+                # the others in its batch: each runs again alone and only a failing one fails.
+                # Nothing has advanced yet, so a rerun writes the same K/V slots again.
+                logger.warning("forward failed for %d sequences; running them one by one", len(scheduled))
+                for item in scheduled:
+                    self._run([item])
+                return
+            logger.exception("forward failed for %s", scheduled[0].seq.seq_id)
+            self._fail(scheduled[0].seq, exc)
             return
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_tokens
@@ -331,7 +350,11 @@ class EmbeddedEngine:
         return committable_hashes(seq, self.config.block_size)
 
     def _release(self, seq: Sequence, commit: bool = True) -> None:
-        committed = self.blocks_to_commit(seq) if commit else []
+        try:
+            committed = self.blocks_to_commit(seq) if commit else []
+        except Exception:  # released all the same, committing nothing: else it stays due for ever
+            logger.exception("no blocks of %s could be committed", seq.seq_id)
+            committed = []
         request = seq.request
         # A hold only for a normal finish: an aborted or failed request's client is gone.
         normal = seq.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)

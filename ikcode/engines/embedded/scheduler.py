@@ -166,11 +166,15 @@ class Scheduler:
             for s in self.with_status(SequenceStatus.RUNNING)
             if not s.is_decoding and s.num_pending_tokens > 0
         ]
-        pending.sort(key=lambda s: s.num_pending_tokens)  # stable: arrival order among equals
+        # Those passed over in the step before first (in arrival order), then the shortest: a
+        # prefill the budget ran out before is passed over too, so even a stream of tails that
+        # fills every step's budget lets it run every other step.
+        pending.sort(key=lambda s: (0, 0) if s.prefill_passed_over else (1, s.num_pending_tokens))
         first_tokens = False
         for seq in pending:
             if budget <= 0:
-                break
+                seq.prefill_passed_over = True
+                continue
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for a prefill before it
             n = seq.num_pending_tokens

@@ -8,6 +8,7 @@ along: the first content delta (TTFT, measured here) and the usage events (cache
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -48,11 +49,15 @@ class _Tap:
         self.first_delta_at: float | None = None
         self.stop_reason: str | None = None
         self.error: str | None = None
+        self.stopped = False  # message_stop seen: the answer is whole
 
     def see(self, event: str, data: bytes, now: float) -> None:
         if event == "content_block_delta":
             if self.first_delta_at is None:
                 self.first_delta_at = now
+            return
+        if event == "message_stop":
+            self.stopped = True
             return
         if event not in ("message_start", "message_delta", "error"):
             return
@@ -151,6 +156,14 @@ async def _relay(tap: _Tap, record: dict, arrived: float, end: StreamEnd) -> Asy
                 pending = pending[whole:]
         if pending:
             yield pending  # the server's own last bytes, as it framed them
+        if not tap.stopped and tap.error is None:
+            # A clean end of the connection before message_stop (a proxy or server that closed
+            # early): without an error event the client would take the cut answer as whole.
+            tap.error = "upstream stream ended before message_stop"
+            yield sse_event(error_body("overloaded_error", "upstream answer was cut short; retry"))
+    except (asyncio.CancelledError, GeneratorExit):  # the client left: logged as such, not as answered
+        tap.error = tap.error or "client disconnected"
+        raise
     except Exception as err:  # the replica died mid-stream: say so in-band; the client retries
         up.router.mark_down(replica, f"stream cut: {type(err).__name__}")
         tap.error = f"upstream stream cut: {type(err).__name__}"

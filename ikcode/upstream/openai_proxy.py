@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,6 +34,8 @@ from .openai_response import UpstreamUsage, to_anthropic_error, to_message
 from .openai_stream import StreamTranslator
 from .pings import with_pings
 from .state import Upstream
+
+logger = logging.getLogger("ikcode.upstream")
 
 CHAT_PATH = "/chat/completions"
 
@@ -159,6 +163,13 @@ async def _translate(
         yield sse_event(error_body("overloaded_error", "upstream replica failed mid-stream; retry"))
     except json.JSONDecodeError:
         error = "upstream sent a chunk that is not a JSON object"
+        yield sse_event(error_body("api_error", error))
+    except (asyncio.CancelledError, GeneratorExit):  # the client left: logged as such, not as answered
+        error = error or "client disconnected"
+        raise
+    except Exception as err:  # a chunk this translation cannot read: end the stream with an error
+        logger.exception("translating the upstream stream failed")
+        error = f"upstream stream could not be translated: {type(err).__name__}"
         yield sse_event(error_body("api_error", error))
     finally:
 

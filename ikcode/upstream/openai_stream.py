@@ -10,6 +10,7 @@ the servers that do this), marked "counted_by_ikcode"; prompt tokens stay 0 (unk
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -67,6 +68,11 @@ class StreamTranslator:
             text = delta.get("content")
             if text or delta.get("tool_calls"):
                 self.delta_chunks += 1
+            if delta.get("reasoning_content") or delta.get("reasoning"):
+                # A reasoning model's thinking (vLLM, SGLang, llama.cpp; not relayed): its prompt
+                # is done, which is what admission waits for (a cold slot held through the
+                # thinking kept every other new session queued).
+                self.first_token = True
             if text:
                 if self.open_kind != "text":
                     yield from self._open("text", {"type": "text", "text": ""})
@@ -86,7 +92,11 @@ class StreamTranslator:
 
     def _tool_delta(self, call: dict[str, Any]) -> Iterator[bytes]:
         self.saw_tools = True
-        position = int(call.get("index", len(self.tool_blocks)))
+        index = call.get("index")
+        if not isinstance(index, int):  # null or missing: a new call if it has an id, else the last's
+            new = call.get("id") or not self.tool_blocks
+            index = len(self.tool_blocks) if new else next(reversed(self.tool_blocks))
+        position = index
         function = call.get("function") or {}
         if position not in self.tool_blocks:
             block = {
@@ -100,6 +110,10 @@ class StreamTranslator:
         elif self.tool_blocks[position] != self.index:
             return  # a late fragment for a block already closed: Anthropic streams cannot reopen it
         arguments = function.get("arguments")
+        if isinstance(arguments, dict):  # some servers send the arguments parsed
+            arguments = json.dumps(arguments)
+        elif arguments is not None and not isinstance(arguments, str):
+            raise ValueError(f"tool call arguments of type {type(arguments).__name__}")
         if arguments:
             self.first_token = True
             delta = {"type": "input_json_delta", "partial_json": arguments}

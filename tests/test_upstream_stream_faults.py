@@ -1,0 +1,248 @@
+"""The upstream front when a replica's stream is not what it should be: cut in the middle of an
+event, ended cleanly before the answer is whole, a chunk the translation cannot read, thinking
+before the first visible token; and a client that leaves in the middle of a stream. The replica
+here is a scripted socket server: these are faults no real replica produces on demand."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.test_upstream_support import FRONT_TOKEN, front_records, front_server
+
+BODY = {"model": "tiny", "max_tokens": 5, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+HEADERS = {"x-api-key": FRONT_TOKEN}
+
+
+class ScriptedReplica:
+    """Answers each POST with `parts` as a chunked event stream (pause_s apart), then ends the
+    body properly (`clean`) or drops the connection; health checks get 200 {"data": []}."""
+
+    def __init__(self, parts: list[bytes], clean: bool, pause_s: float = 0.05):
+        self.parts, self.clean, self.pause_s = parts, clean, pause_s
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            received = b""
+            while b"\r\n\r\n" not in received:
+                received += conn.recv(65536)
+            head, _, body = received.partition(b"\r\n\r\n")
+            if not head.startswith(b"POST"):
+                conn.sendall(
+                    b'HTTP/1.1 200 OK\r\ncontent-length: 12\r\nconnection: close\r\n\r\n{"data": []}'
+                )
+                return
+            length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            while len(body) < length:
+                body += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
+                b"connection: close\r\n\r\n"
+            )
+            try:
+                for part in self.parts:
+                    conn.sendall(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                    time.sleep(self.pause_s)
+                if self.clean:
+                    conn.sendall(b"0\r\n\r\n")
+            except OSError:  # the front hung up (its client left, or it had read enough)
+                pass
+
+    def close(self) -> None:
+        self.listener.close()
+        self.thread.join(5)
+
+
+def _events(url: str) -> list[dict]:
+    with httpx.stream("POST", url + "/v1/messages", json=BODY, headers=HEADERS, timeout=30) as answer:
+        assert answer.status_code == 200
+        raw = b"".join(answer.iter_raw())
+    return [json.loads(e.split(b"data: ", 1)[1]) for e in raw.split(b"\n\n") if b"data: " in e]
+
+
+def _anthropic(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _openai(data: dict) -> bytes:
+    return f"data: {json.dumps(data)}\n\n".encode()
+
+
+FINISH_TOOL_CALLS = (
+    _openai({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}) + b"data: [DONE]\n\n"
+)
+START = _anthropic("message_start", {"type": "message_start", "message": {"id": "m", "usage": {}}})
+BLOCK = _anthropic(
+    "content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}}
+)
+DELTA = _anthropic(
+    "content_block_delta",
+    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hel"}},
+)
+
+
+def test_a_replica_dying_mid_event_never_leaves_half_an_event_before_the_error(tmp_path):
+    half = b'event: content_block_delta\ndata: {"type":"content_bl'
+    replica = ScriptedReplica([START, half], clean=False, pause_s=0.1)
+    front = front_server(tmp_path, "anthropic", [replica.url])
+    try:
+        with httpx.stream("POST", front.url + "/v1/messages", json=BODY, headers=HEADERS, timeout=30) as r:
+            received = b"".join(r.iter_raw())
+        events = [e for e in received.split(b"\n\n") if e.strip()]
+        assert events[0] == START.strip()
+        assert b"content_bl" not in received  # the half event was not relayed
+        last = json.loads(events[-1].split(b"data: ", 1)[1])
+        assert last["error"]["type"] == "overloaded_error"
+        # `ikcode status` counts it as the server's error, not as an answered request.
+        health = httpx.get(front.url + "/health", headers=HEADERS).json()
+        assert (health["requests"], health["errors"]) == (0, 1)
+    finally:
+        front.stop()
+        replica.close()
+
+
+def test_a_stream_that_ends_cleanly_before_message_stop_ends_with_an_error(tmp_path):
+    """A proxy or server that closes early with a proper end of body: the client must not take
+    the cut answer for a whole one (it had no error event, and the log said answered)."""
+    replica = ScriptedReplica([START, BLOCK, DELTA], clean=True)
+    front = front_server(tmp_path, "anthropic", [replica.url])
+    try:
+        events = _events(front.url)
+        assert [e["type"] for e in events] == [
+            "message_start",
+            "content_block_start",
+            "content_block_delta",
+            "error",
+        ]
+        assert events[-1]["error"]["type"] == "overloaded_error"
+        (record,) = front_records(tmp_path)
+        assert record["error"] and "message_stop" in record["error"]
+    finally:
+        front.stop()
+        replica.close()
+
+
+def test_a_whole_anthropic_stream_is_relayed_as_it_came(tmp_path):
+    stop = _anthropic("message_stop", {"type": "message_stop"})
+    replica = ScriptedReplica([START, BLOCK, DELTA, stop], clean=True)
+    front = front_server(tmp_path, "anthropic", [replica.url])
+    try:
+        assert [e["type"] for e in _events(front.url)][-1] == "message_stop"
+        (record,) = front_records(tmp_path)
+        assert record["error"] is None
+    finally:
+        front.stop()
+        replica.close()
+
+
+@pytest.mark.parametrize(
+    "tool_calls",
+    [
+        [{"index": 0, "id": "c1", "function": "not an object"}],
+        [{"index": 0, "id": "c1", "function": {"name": "Read", "arguments": 7}}],
+    ],
+    ids=["function not an object", "arguments not a string"],
+)
+def test_a_chunk_the_translation_cannot_read_ends_the_stream_with_an_error(tmp_path, tool_calls):
+    """It raised out of the stream: the client got a broken chunked body and the log said 200."""
+    chunk = _openai({"choices": [{"index": 0, "delta": {"tool_calls": tool_calls}}]})
+    done = (
+        _openai({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]}) + b"data: [DONE]\n\n"
+    )
+    replica = ScriptedReplica([chunk, done], clean=True)
+    front = front_server(tmp_path, "openai", [replica.url])
+    try:
+        events = _events(front.url)
+        assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "api_error"
+        (record,) = front_records(tmp_path)
+        assert record["error"] and record["status"] == 200
+    finally:
+        front.stop()
+        replica.close()
+
+
+def test_a_tool_call_fragment_without_an_index_goes_to_the_call_being_streamed(tmp_path):
+    first = {"index": 0, "id": "c1", "type": "function", "function": {"name": "Read", "arguments": '{"path"'}}
+    rest = {"index": None, "function": {"arguments": ': "a.py"}'}}
+    parts = [
+        _openai({"choices": [{"index": 0, "delta": {"tool_calls": [first]}}]}),
+        _openai({"choices": [{"index": 0, "delta": {"tool_calls": [rest]}}]}),
+        _openai({"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]})
+        + b"data: [DONE]\n\n",
+    ]
+    replica = ScriptedReplica(parts, clean=True)
+    front = front_server(tmp_path, "openai", [replica.url])
+    try:
+        events = _events(front.url)
+        pieces = [e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta"]
+        assert json.loads("".join(pieces)) == {"path": "a.py"}
+        assert [e for e in events if e["type"] == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
+    finally:
+        front.stop()
+        replica.close()
+
+
+def test_thinking_counts_as_the_first_token(tmp_path):
+    """A reasoning model's prompt is done when it starts thinking: admission (which holds a cold
+    prompt's slot until its first token) and the logged TTFT go by that, not by the first
+    visible word after a long think."""
+    parts = [
+        _openai({"choices": [{"index": 0, "delta": {"reasoning_content": "Let me think."}}]}),
+        _openai({"choices": [{"index": 0, "delta": {"content": "Hello"}}]}),
+        _openai({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}) + b"data: [DONE]\n\n",
+    ]
+    replica = ScriptedReplica(parts, clean=True, pause_s=1.5)
+    front = front_server(tmp_path, "openai", [replica.url])
+    try:
+        events = _events(front.url)
+        assert (
+            "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+            == "Hello"
+        )
+        (record,) = front_records(tmp_path)
+        assert record["ttft_ms"] < 1000, record["ttft_ms"]
+    finally:
+        front.stop()
+        replica.close()
+
+
+@pytest.mark.parametrize("kind", ["anthropic", "openai"])
+def test_a_client_that_leaves_mid_stream_is_logged_as_gone_not_answered(tmp_path, kind):
+    if kind == "anthropic":
+        parts = [START, BLOCK] + [DELTA] * 20
+    else:
+        parts = [_openai({"choices": [{"index": 0, "delta": {"content": "word "}}]})] * 20
+    replica = ScriptedReplica(parts, clean=True, pause_s=0.3)
+    front = front_server(tmp_path, kind, [replica.url])
+    try:
+        with httpx.stream("POST", front.url + "/v1/messages", json=BODY, headers=HEADERS, timeout=30) as r:
+            for line in r.iter_lines():
+                if "content_block_delta" in line:
+                    break  # the client leaves after its first words
+        deadline = time.monotonic() + 10
+        while not front_records(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        (record,) = front_records(tmp_path)
+        assert record["error"] == "client disconnected", record
+        health = httpx.get(front.url + "/health", headers=HEADERS).json()
+        assert health["in_flight"] == 0
+    finally:
+        front.stop()
+        replica.close()

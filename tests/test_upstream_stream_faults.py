@@ -23,8 +23,10 @@ class ScriptedReplica:
     """Answers each POST with `parts` as a chunked event stream (pause_s apart), then ends the
     body properly (`clean`) or drops the connection; health checks get 200 {"data": []}."""
 
-    def __init__(self, parts: list[bytes], clean: bool, pause_s: float = 0.05):
+    def __init__(self, parts: list[bytes], clean: bool, pause_s: float = 0.05, answers: bool = True):
         self.parts, self.clean, self.pause_s = parts, clean, pause_s
+        self.answers = answers  # False: the connection is closed after the request, no answer
+        self.posts = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -52,6 +54,10 @@ class ScriptedReplica:
             length = int(head.lower().split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
             while len(body) < length:
                 body += conn.recv(65536)
+            self.posts += 1
+            if not self.answers:  # as a server that dies while working on it
+                time.sleep(self.pause_s)
+                return
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
                 b"connection: close\r\n\r\n"
@@ -246,3 +252,20 @@ def test_a_client_that_leaves_mid_stream_is_logged_as_gone_not_answered(tmp_path
     finally:
         front.stop()
         replica.close()
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_request_a_replica_may_have_received_is_resent_at_most_retries_times(tmp_path, retries):
+    """Closed after the request arrived, before any answer: the replica may have done the work,
+    so a retry elsewhere may do it again. `retries = 0` had no effect (every replica was tried)."""
+    replicas = [ScriptedReplica([], clean=False, pause_s=0.2, answers=False) for _ in range(3)]
+    front = front_server(tmp_path, "anthropic", [r.url for r in replicas], retries=retries)
+    try:
+        whole = dict(BODY, stream=False)
+        answer = httpx.post(front.url + "/v1/messages", json=whole, headers=HEADERS, timeout=30)
+        assert answer.status_code == 503 and answer.json()["type"] == "error"
+        assert sum(r.posts for r in replicas) == 1 + retries
+    finally:
+        front.stop()
+        for replica in replicas:
+            replica.close()

@@ -29,7 +29,10 @@ class UpstreamConfig:
     health_interval_s: float = 5.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
-    retries: int = 1  # connection-level retries on another replica before answering 503
+    # Retries on another replica of a request whose connection was closed before an answer (it may
+    # have reached the replica: a retry may repeat its work); refused connections are always
+    # retried on the replicas left. Then 503.
+    retries: int = 1
     headers: dict[str, str] = field(default_factory=dict)  # extra headers for every upstream call
 
     def __post_init__(self) -> None:

@@ -96,6 +96,7 @@ async def open_stream(
     (`unless_client_leaves`)."""
     tried: set[str] = set()
     attempts = 0
+    resent = 0  # retries of a request a replica may have received (and begun working on)
     while attempts <= up.config.retries + len(up.router.replicas):
         replica = up.router.pick(session_id, key, tried)
         attempts += 1
@@ -114,10 +115,17 @@ async def open_stream(
             up.router.release(replica)
             raise timed_out(up) from None
         except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as err:
-            # Closed before answering (a stale keep-alive connection or a dying server): retry
-            # elsewhere now; the health check decides whether the replica is gone.
+            # Closed before answering (a stale keep-alive connection or a dying server): the
+            # request may have reached it, and a whole answer's headers come only with the
+            # answer, so a retry elsewhere may repeat its work: at most `retries` of them (a
+            # refused connection, above, delivered nothing and is retried on any replica left).
             up.router.release(replica)
             reason = without_credentials(str(err))
+            resent += 1
+            if resent > up.config.retries:
+                logger.warning("replica %s closed the connection: %s; no retries left", replica.name, reason)
+                why = f"the upstream replica closed the connection without answering ({reason})"
+                raise NoReplica(why) from None
             logger.warning("replica %s closed the connection: %s; retrying elsewhere", replica.name, reason)
         except BaseException:
             up.router.release(replica)

@@ -23,9 +23,12 @@ class ScriptedReplica:
     """Answers each POST with `parts` as a chunked event stream (pause_s apart), then ends the
     body properly (`clean`) or drops the connection; health checks get 200 {"data": []}."""
 
-    def __init__(self, parts: list[bytes], clean: bool, pause_s: float = 0.05, answers: bool = True):
+    def __init__(
+        self, parts: list[bytes], clean: bool, pause_s: float = 0.05, answers: bool = True, raw: bytes = b""
+    ):
         self.parts, self.clean, self.pause_s = parts, clean, pause_s
         self.answers = answers  # False: the connection is closed after the request, no answer
+        self.raw = raw  # an answer sent as it is (status line, headers, body), then the close
         self.posts = 0
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
@@ -57,6 +60,9 @@ class ScriptedReplica:
             self.posts += 1
             if not self.answers:  # as a server that dies while working on it
                 time.sleep(self.pause_s)
+                return
+            if self.raw:
+                conn.sendall(self.raw)
                 return
             conn.sendall(
                 b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n"
@@ -269,3 +275,28 @@ def test_a_request_a_replica_may_have_received_is_resent_at_most_retries_times(t
         front.stop()
         for replica in replicas:
             replica.close()
+
+
+CUT_JSON = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"id": 1'
+HTML = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 13\r\n\r\n<html></html>"
+
+
+@pytest.mark.parametrize(
+    ("kind", "raw"),
+    [("anthropic", CUT_JSON), ("openai", CUT_JSON), ("openai", HTML)],
+    ids=["anthropic answer cut", "openai answer cut", "openai answer not JSON"],
+)
+def test_a_whole_answer_that_fails_is_an_error_in_the_clients_shape_and_logged(tmp_path, kind, raw):
+    """They were a bare 500 "internal server error" with a traceback, and missing from the log."""
+    replica = ScriptedReplica([], clean=False, raw=raw)
+    front = front_server(tmp_path, kind, [replica.url])
+    try:
+        whole = dict(BODY, stream=False)
+        answer = httpx.post(front.url + "/v1/messages", json=whole, headers=HEADERS, timeout=30)
+        assert answer.status_code in (500, 529) and answer.json()["type"] == "error"
+        assert "upstream" in answer.json()["error"]["message"]
+        (record,) = front_records(tmp_path)
+        assert record["status"] == answer.status_code and record["error"]
+    finally:
+        front.stop()
+        replica.close()

@@ -150,6 +150,11 @@ async def read_answer(up: Upstream, request: Request, replica: Replica, response
         return await unless_client_leaves(request, response.aread())
     except httpx.TimeoutException:
         raise timed_out(up) from None
+    except httpx.HTTPError as err:  # the connection failed in the middle of the answer
+        up.router.mark_down(replica, f"answer cut: {type(err).__name__}")
+        raise APIError(
+            529, f"the upstream server failed in the middle of its answer ({type(err).__name__}); retry"
+        ) from None
     finally:
         await aclose_quietly(response)
         up.router.release(replica)

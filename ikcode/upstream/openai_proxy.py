@@ -96,7 +96,13 @@ async def forward_messages(
         _finish(up, record, UpstreamUsage(), None, None, arrived, raw[:500].decode("utf-8", "replace"))
         return reply
     if not body.stream:
-        message, usage = to_message(json.loads(raw), message_id, body.model, stops)
+        try:
+            message, usage = to_message(json.loads(raw), message_id, body.model, stops)
+        except Exception as err:  # not a chat completion (a proxy's HTML page, a cut body)
+            record["status"] = 500
+            why = f"upstream answer could not be read as a chat completion ({type(err).__name__})"
+            _finish(up, record, UpstreamUsage(), None, None, arrived, why)
+            raise APIError(500, why) from None
         _finish(up, record, usage, time.monotonic(), message["stop_reason"], arrived, None)
         return JSONResponse(message)
     translator = StreamTranslator(message_id, body.model, stops)

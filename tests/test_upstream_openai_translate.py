@@ -4,6 +4,9 @@ a real OpenAI-compatible server is tests/test_upstream_llamacpp.py)."""
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from ikcode.upstream.openai_request import to_chat_request
 from ikcode.upstream.openai_response import to_anthropic_error, to_message
@@ -81,6 +84,58 @@ def test_response_and_errors():
     assert status == 400 and body["error"]["message"].startswith(
         "prompt is too long: 9000 tokens > 4096 maximum"
     )
+
+
+# Claude Code 2.1.332 reads this exact sentence and retries with a max_tokens that fits (its own
+# pattern, from the client's source); "prompt is too long" would start a needless compaction.
+CLIENT_RETRY = re.compile(r"input length and `max_tokens` exceed context limit: (\d+) \+ (\d+) > (\d+)")
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (
+            "'max_tokens' or 'max_completion_tokens' is too large: 8000. This model's maximum context "
+            "length is 4096 tokens and your request has 2778 input tokens (8000 > 4096 - 2778). None",
+            ("2778", "8000", "4096"),
+        ),
+        (
+            "This model's maximum context length is 4096 tokens. However, you requested 4300 tokens "
+            "(3000 in the messages, 1300 in the completion). Please reduce the length of the messages "
+            "or completion.",
+            ("3000", "1300", "4096"),
+        ),
+        (
+            "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens "
+            "(4500 in the messages, 500 in the completion). Please reduce the length of the messages "
+            "or completion.",
+            None,  # the prompt alone is too long
+        ),
+    ],
+    ids=["vllm max_tokens too large", "vllm old wording, prompt fits", "vllm old wording, prompt too long"],
+)
+def test_a_prompt_that_fits_without_its_max_tokens_is_said_as_anthropic_says_it(message, expected):
+    status, body = to_anthropic_error(400, json.dumps({"error": {"message": message}}).encode())
+    said = body["error"]["message"]
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    if expected is None:
+        assert said == "prompt is too long: 4500 tokens > 4096 maximum"
+    else:
+        found = CLIENT_RETRY.search(said)
+        assert found is not None and found.groups() == expected, said
+
+
+def test_the_replicas_refusal_of_the_fronts_credentials_is_not_the_clients_auth_error():
+    for refused in (401, 403):
+        status, body = to_anthropic_error(refused, b'{"error": {"message": "invalid api key"}}')
+        assert status == 500 and body["error"]["type"] == "api_error"
+        assert "credentials" in body["error"]["message"]
+
+
+def test_a_filtered_answer_is_a_refusal():
+    completion = {"choices": [{"finish_reason": "content_filter", "message": {"content": ""}}], "usage": {}}
+    message, _ = to_message(completion, "msg_1", "m", [])
+    assert message["stop_reason"] == "refusal"
 
 
 def test_stream_text_then_tool_call_deltas():

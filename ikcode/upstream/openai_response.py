@@ -20,8 +20,20 @@ FINISH_TO_STOP = {
     "length": "max_tokens",
     "tool_calls": "tool_use",
     "function_call": "tool_use",
+    "content_filter": "refusal",
 }
 _CONTEXT = re.compile(r"maximum context length is (\d+) tokens.*?(?:requested|has) (\d+)", re.S | re.I)
+# The prompt fits, the prompt and max_tokens together do not. vLLM's two wordings (old:
+# serving_engine.py `_validate_prompt_and_tokenize`; new: "'max_tokens' or 'max_completion_tokens'
+# is too large: M. This model's maximum context length is N tokens and your request has P input
+# tokens (M > N - P)."), as (limit, prompt, max_tokens).
+_OVER_NEW = re.compile(
+    r"too large: (\d+)\. This model's maximum context length is (\d+) tokens and your request has (\d+)"
+)
+_OVER_OLD = re.compile(
+    r"maximum context length is (\d+) tokens\. However, you requested \d+ tokens "
+    r"\((\d+) in the messages, (\d+) in the completion\)"
+)
 
 
 @dataclass
@@ -135,6 +147,17 @@ def to_anthropic_error(status: int, raw: bytes) -> tuple[int, dict[str, Any]]:
     """An OpenAI-style error as Anthropic's; a context overflow says "prompt is too long" (the
     wording that starts Claude Code's own compaction)."""
     message = error_message(raw)
+    if status in (400, 413, 422) and (over := _context_overflow(message)) is not None:
+        limit, prompt, max_tokens = over
+        if prompt < limit:  # Anthropic's words for it: Claude Code retries with a max_tokens that fits
+            return 400, error_body(
+                "invalid_request_error",
+                f"input length and `max_tokens` exceed context limit: {prompt} + {max_tokens} > {limit}, "
+                "decrease input length or `max_tokens` and try again",
+            )
+        return 400, error_body(
+            "invalid_request_error", f"prompt is too long: {prompt} tokens > {limit} maximum"
+        )
     found = _CONTEXT.search(message)
     if found and status in (400, 413, 422):
         limit, requested = found.groups()
@@ -143,4 +166,21 @@ def to_anthropic_error(status: int, raw: bytes) -> tuple[int, dict[str, Any]]:
         )
     if status == 422:
         status = 400
+    if status in (401, 403):
+        # The replica refused the front's own credentials ([upstream] token), not the client's:
+        # passed on as they are, Claude Code would tell its user that their key is wrong.
+        return 500, error_body(
+            "api_error", f"upstream refused this server's credentials ({status}): {message}"
+        )
     return status, error_body(ERROR_TYPES.get(status, "api_error"), f"upstream: {message}")
+
+
+def _context_overflow(message: str) -> tuple[int, int, int] | None:
+    """(context limit, prompt tokens, max_tokens) of an error about prompt + max_tokens."""
+    if found := _OVER_NEW.search(message):
+        max_tokens, limit, prompt = (int(g) for g in found.groups())
+        return limit, prompt, max_tokens
+    if found := _OVER_OLD.search(message):
+        limit, prompt, max_tokens = (int(g) for g in found.groups())
+        return limit, prompt, max_tokens
+    return None

@@ -45,6 +45,14 @@ def load_or_create_token(path: Path | None = None) -> str:
     return token
 
 
+def salt_key() -> str:
+    """This server's secret for the cache namespaces it names to an upstream server (`cache_salt`),
+    created once beside the token (mode 0600): a namespace nobody without it can compute, and
+    another front's user of the same name does not share. Copy the file to share namespaces
+    between fronts."""
+    return load_or_create_token(paths.state_dir() / "cache-salt-key")
+
+
 def client_token(url: str | None = None) -> str | None:
     """The token this machine's clients (`ikcode claude`, `env`, `settings`, `doctor`) send to
     `url`: IKCODE_TOKEN when set (a team member's own token, for a server on another machine),

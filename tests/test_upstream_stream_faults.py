@@ -30,6 +30,7 @@ class ScriptedReplica:
         self.answers = answers  # False: the connection is closed after the request, no answer
         self.raw = raw  # an answer sent as it is (status line, headers, body), then the close
         self.posts = 0
+        self.bodies: list[dict] = []  # the JSON bodies received
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -58,6 +59,7 @@ class ScriptedReplica:
             while len(body) < length:
                 body += conn.recv(65536)
             self.posts += 1
+            self.bodies.append(json.loads(body))
             if not self.answers:  # as a server that dies while working on it
                 time.sleep(self.pause_s)
                 return
@@ -297,6 +299,61 @@ def test_a_whole_answer_that_fails_is_an_error_in_the_clients_shape_and_logged(t
         assert "upstream" in answer.json()["error"]["message"]
         (record,) = front_records(tmp_path)
         assert record["status"] == answer.status_code and record["error"]
+    finally:
+        front.stop()
+        replica.close()
+
+
+def test_cache_salts_are_keyed_by_the_front_so_no_one_else_can_name_them(tmp_path, monkeypatch):
+    """vLLM asks for a cache_salt nobody else can guess: a digest of the user name alone could be
+    computed by anyone who reaches the upstream, and was the same at every front."""
+    done = _openai({"choices": [{"index": 0, "delta": {"content": "ok"}, "finish_reason": "stop"}]})
+    replica = ScriptedReplica([done + b"data: [DONE]\n\n"], clean=True)
+    users = {"alice": FRONT_TOKEN, "bob": "ik-bob-0123456789"}
+
+    def salts() -> list[str]:
+        front = front_server(tmp_path, "openai", [replica.url], settings={"auth_tokens": users})
+        try:
+            for token in [*users.values(), FRONT_TOKEN]:
+                _events_as(front.url, token)
+        finally:
+            front.stop()
+        return [body["cache_salt"] for body in replica.bodies[-3:]]
+
+    try:
+        alice, bob, alice_again = salts()
+        assert alice == alice_again != bob
+        assert not any(name in salt for salt in (alice, bob) for name in users)
+        monkeypatch.setenv("IKCODE_HOME", str(tmp_path / "another-front"))
+        other_alice, _, _ = salts()
+        assert other_alice != alice  # another front's user of the same name: another namespace
+    finally:
+        replica.close()
+
+
+def _events_as(url: str, token: str) -> None:
+    headers = {"x-api-key": token}
+    with httpx.stream("POST", url + "/v1/messages", json=BODY, headers=headers, timeout=30) as answer:
+        assert answer.status_code == 200
+        answer.read()
+
+
+def test_tool_calls_streamed_interleaved_end_with_an_error_not_a_cut_input(tmp_path):
+    """The first call's block is closed when the second starts; its late fragment was dropped and
+    the client got `{"x":` as a finished call's input, with stop_reason tool_use."""
+
+    def call(index: int, arguments: str, name: str | None = None) -> bytes:
+        function = {"arguments": arguments} | ({"name": name} if name else {})
+        fragment = {"index": index, "function": function} | ({"id": f"c{index}"} if name else {})
+        return _openai({"choices": [{"index": 0, "delta": {"tool_calls": [fragment]}}]})
+
+    parts = [call(0, '{"x":', "A"), call(1, '{"y":', "B"), call(0, " 1}"), call(1, " 2}"), FINISH_TOOL_CALLS]
+    replica = ScriptedReplica(parts, clean=True)
+    front = front_server(tmp_path, "openai", [replica.url])
+    try:
+        events = _events(front.url)
+        assert events[-1]["type"] == "error" and "interleaved" in events[-1]["error"]["message"]
+        assert not [e for e in events if e["type"] == "message_delta"]
     finally:
         front.stop()
         replica.close()

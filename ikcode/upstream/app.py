@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ikcode.admission import AdmissionConfig
+from ikcode.auth import salt_key
 from ikcode.engines.base import EngineOverloaded
 from ikcode.gateway.edge import (
     EdgeMiddleware,
@@ -115,6 +116,8 @@ def create_upstream_app(
         RequestLog(settings.request_log_path),
         settings.context_window,
     )
+    if config.kind == "openai" and settings.salts_per_user:
+        up.salt_key = salt_key()
     admission = admission or AdmissionConfig()
     if admission.policy != "fifo":
         up.admission = UpstreamAdmission(admission, config.urls)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -40,11 +41,13 @@ logger = logging.getLogger("ikcode.upstream")
 CHAT_PATH = "/chat/completions"
 
 
-def cache_salt(user: str | None) -> str:
+def cache_salt(user: str | None, key: str) -> str:
     """The user's cache namespace upstream, as `cache_salt`: vLLM keys its prefix cache by it
     ("to prevent an attacker to guess prompts in multi-user environments", its chat request's
-    field), and servers that do not know the field ignore it. A digest, so no user name travels."""
-    return hashlib.blake2b(f"ikcode-user:{user or ''}".encode(), digest_size=16).hexdigest()
+    field, which it asks to be random and kept from third parties), and servers that do not know
+    the field ignore it. Keyed by this server's secret (auth.salt_key): no user name travels,
+    and no one who can reach the upstream can name another user's namespace."""
+    return hmac.new(key.encode(), f"ikcode-user:{user or ''}".encode(), hashlib.blake2b).hexdigest()[:32]
 
 
 async def _send(
@@ -52,7 +55,7 @@ async def _send(
 ):
     chat = to_chat_request(data, up.config.model or up.settings.served_model)
     if up.settings.salts_per_user:
-        chat["cache_salt"] = cache_salt(user)
+        chat["cache_salt"] = cache_salt(user, up.salt_key)
     content = json.dumps(chat, ensure_ascii=False, separators=(",", ":")).encode()
     headers = upstream_headers(up, request.headers, anthropic=False)
     session = up.session_key(user, request)
@@ -157,6 +160,8 @@ async def _translate(
             # (llama-cpp-python does so when another request arrives): retryable, not end_turn.
             error = "upstream stream ended without a finish reason" + (" ([DONE] sent)" if done else "")
             error_type = "overloaded_error"
+        if error is None and tr.lost_fragments:
+            error = "upstream streamed tool calls interleaved: a call's arguments came after its block ended"
         if error is None:
             for event in tr.finish():
                 yield event

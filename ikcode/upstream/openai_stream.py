@@ -27,6 +27,7 @@ class StreamTranslator:
         self.index = -1  # index of the open content block
         self.open_kind: str | None = None  # "text" | "tool_use"
         self.tool_blocks: dict[int, int] = {}  # OpenAI tool call index -> our block index
+        self.lost_fragments = False  # a tool call's arguments came after its block was closed
         self.finish_reason: str | None = None
         self.matched_stop: Any = None
         self.usage = UpstreamUsage()
@@ -108,7 +109,10 @@ class StreamTranslator:
             yield from self._open("tool_use", block)
             self.tool_blocks[position] = self.index
         elif self.tool_blocks[position] != self.index:
-            return  # a late fragment for a block already closed: Anthropic streams cannot reopen it
+            # A late fragment for a block already closed (calls streamed interleaved): an
+            # Anthropic stream cannot reopen it, and that call's input would be cut JSON.
+            self.lost_fragments = True
+            return
         arguments = function.get("arguments")
         if isinstance(arguments, dict):  # some servers send the arguments parsed
             arguments = json.dumps(arguments)

@@ -32,6 +32,7 @@ class Upstream:
     in_flight_by_user: Counter[str] = field(default_factory=Counter)  # token name -> in flight
     admission: UpstreamAdmission | None = None  # None: requests go straight to their replica
     started_at: str = field(default_factory=now_iso)
+    salt_key: str = ""  # auth.salt_key(): keys each user's cache_salt (openai_proxy.cache_salt)
 
     def settle(self, record: dict) -> None:
         """A request is over (answered, failed or cut): admission frees its place."""

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from ikcode.gateway.errors import APIError
 from ikcode.upstream.openai_request import to_chat_request
 from ikcode.upstream.openai_response import to_anthropic_error, to_message
 from ikcode.upstream.openai_stream import StreamTranslator
@@ -235,3 +236,20 @@ def test_a_tool_call_cut_by_the_output_limit_is_max_tokens():
     choice = {"finish_reason": "length", "message": {"content": "", "tool_calls": [call]}}
     message, _ = to_message({"choices": [choice]}, "msg_1", "m", [])
     assert message["stop_reason"] == "max_tokens"
+
+
+def test_a_document_goes_upstream_as_its_text_and_a_pdf_is_refused():
+    """A PDF's base64 went upstream as prompt text: a huge prefill of nothing the model can read."""
+    text = {"type": "text", "media_type": "text/plain", "data": "the notes"}
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK" * 1000}
+
+    def body(source: dict) -> dict:
+        document = {"type": "document", "source": source, "title": "notes.txt"}
+        content = [document, {"type": "text", "text": "summarise"}]
+        return {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": content}]}
+
+    chat = to_chat_request(body(text), "m")
+    assert chat["messages"][-1]["content"] == "notes.txt\nthe notes\nsummarise"
+    with pytest.raises(APIError) as refused:
+        to_chat_request(body(pdf), "m")
+    assert refused.value.status == 400 and "plain text" in refused.value.message

@@ -13,7 +13,10 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
+
+from ikcode.gateway.content_text import document_text
 
 ATTRIBUTION_PREFIX = "x-anthropic-billing-header:"
 
@@ -46,8 +49,9 @@ def _user_content(blocks: list[dict[str, Any]]) -> str | list[dict[str, Any]] | 
             parts.append({"type": "text", "text": block.get("text", "")})
         elif kind == "image" and (image := _image_part(block)) is not None:
             parts.append(image)
-        elif kind == "document":
-            parts.append({"type": "text", "text": _text_of((block.get("source") or {}).get("data", ""))})
+        elif kind == "document":  # plain text, as the gateway reads it; a PDF's base64 is refused
+            document = SimpleNamespace(source=block.get("source"), title=block.get("title"))
+            parts.append({"type": "text", "text": document_text(document)})
     if not parts:
         return None
     if all(p["type"] == "text" for p in parts):

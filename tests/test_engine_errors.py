@@ -205,7 +205,9 @@ def test_a_failed_write_through_at_release_leaves_the_engine_serving(monkeypatch
         engine.shutdown(drain_timeout_s=5)
 
 
-def test_a_failed_promotion_fails_only_the_request_admitted(monkeypatch):
+def test_a_failed_promotion_computes_the_prefix_instead(monkeypatch):
+    """The copy from the host tier fails: the request is served all the same, its prefix computed
+    (it failed, and with a copy that keeps failing, every later turn of the conversation did)."""
     engine = tiny_engine(start=False, kv_memory_bytes=128 * 1024, host_kv_memory_bytes=64 * 1024)
     prompt = list(range(3, 63))
 
@@ -232,8 +234,11 @@ def test_a_failed_promotion_fails_only_the_request_admitted(monkeypatch):
         engine.start()
         tokens, final = bystander.collect(30)
         assert len(tokens) == 40 and final.error is None  # it ran on, untouched
-        _, failed = again.collect(30)
-        assert left["failures"] == 0 and "injected copy_host_to_device failure" in str(failed.error)
+        tokens, served = again.collect(30)
+        assert left["failures"] == 0 and served.error is None and len(tokens) >= 1
+        assert served.stats.cached_tokens_host == 0 and served.stats.computed_tokens > 0
+        wait_idle(engine)
+        assert_pool_clean(engine)
         _serves(engine)
     finally:
         engine.shutdown(drain_timeout_s=5)

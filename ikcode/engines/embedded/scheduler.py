@@ -198,14 +198,26 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         tokens = seq.token_ids
         hashes = seq.block_hashes(len(tokens), self.block_size)
-        try:
-            alloc = self.cache.allocate(
+
+        def allocate(hits: list[BlockHash]):
+            return self.cache.allocate(
                 seq.seq_id,
-                hashes,
+                hits,
                 self.blocks_needed(len(tokens)),
                 session_id=seq.request.session_id,
                 num_tokens=len(tokens),
             )
+
+        try:
+            try:
+                alloc = allocate(hashes)
+            except OutOfBlocks:
+                raise
+            except Exception:  # a failed promotion from the host tier, rolled back
+                # Computed instead: the host copy of the prefix stays, and a copy that keeps
+                # failing must not fail every later turn of this conversation with it.
+                logger.exception("promoting %s's prefix failed; computing it instead", seq.seq_id)
+                alloc = allocate(hashes[: self.cache.match(hashes).device_blocks])
         except OutOfBlocks:
             return False
         seq.block_table = list(alloc.block_table)

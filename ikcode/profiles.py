@@ -111,8 +111,12 @@ class Profile(BaseModel):
 
     @property
     def base_url(self) -> str:
+        """Where this machine's clients reach the server: a server bound to every address
+        (0.0.0.0, ::) is reached on loopback (as this machine, which gets the launcher's token)."""
         prefix = self.endpoint.path_prefix.strip("/")
-        host = self.endpoint.host
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1"}.get(
+            self.endpoint.host, self.endpoint.host
+        )
         if ":" in host and not host.startswith("["):  # IPv6 literal
             host = f"[{host}]"
         url = f"http://{host}:{self.endpoint.port}"

@@ -395,12 +395,15 @@ def test_misses_of_an_earlier_run_in_the_same_log_do_not_fail_this_one(tokenizer
     fail the fixed server (doctor reads the records since /health's started_at)."""
     engine, server, token, log = start_server(tokenizer, tmp_path)
     earlier = [_record("old", 1000, 0, 500), _record("old", 1200, 0, 500, shared=1000, second=1)]
+    earlier += [_record(f"slow{i}", 1000, 990, 600_000, second=2) for i in range(10)]  # queued warm turns
     log.write_text("".join(json.dumps(r) + "\n" for r in earlier))
     try:
-        results = doctor(server.url, token, project, log, only=["endpoint", "quality_gate", "silent_miss"])
+        checks = ["endpoint", "quality_gate", "silent_miss", "tail"]
+        results = doctor(server.url, token, project, log, only=checks)
     finally:
         server.stop()
         engine.shutdown(drain_timeout_s=1)
     assert results["quality_gate"].status == PASS, results["quality_gate"].detail
     assert results["silent_miss"].status != FAIL, results["silent_miss"].detail
+    assert results["tail"].status != FAIL, results["tail"].detail  # it read the earlier run's too
     assert analyse(earlier)["miss_count"] == 1  # the earlier run's records do hold a miss

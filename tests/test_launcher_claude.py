@@ -88,6 +88,9 @@ def test_claude_gets_full_mapping_in_env_and_settings_file(tmp_path, answering):
         assert source["CLAUDE_CODE_ATTRIBUTION_HEADER"] == "0"
     for name in CONFLICTING_VARS:
         assert name not in rec["env"], name
+        # Blanked in the settings file too: it beats the shell, and so would a user's settings.json
+        # holding the name (a real API key went to this server, a Bedrock flag took the session).
+        assert rec["settings"]["env"][name] == "", name
     argv = rec["argv"]
     assert argv[0] == "--settings"
     assert argv[-4:] == ["-p", "say hi", "--output-format", "json"]
@@ -176,3 +179,74 @@ def test_a_named_profile_is_not_served_by_another_profiles_server(monkeypatch):
     assert ensure_stack(wanted) == wanted.base_url  # no profile named: whatever serves there
     monkeypatch.setattr(daemon, "read_state", lambda: None)  # not ours: nothing to compare
     assert ensure_stack(wanted, asked_for=True) == wanted.base_url
+    # The other profile's server at its own URL, nothing at the one asked for: not used either.
+    elsewhere = "http://127.0.0.1:18930"
+    running = daemon.ServerState(1, "127.0.0.1", 18930, elsewhere, "local", "log", 0.0)
+    monkeypatch.setattr(daemon, "read_state", lambda: running)
+    monkeypatch.setattr(
+        daemon, "health", lambda url, timeout_s=2.0: {"status": "ok"} if url == elsewhere else None
+    )
+    with pytest.raises(daemon.DaemonError, match="serving profile 'local'.*not 'llamacpp'"):
+        ensure_stack(wanted, asked_for=True)
+    assert ensure_stack(wanted) == elsewhere
+
+
+def test_a_refused_endpoint_is_one_line_from_env_and_settings(monkeypatch):
+    from click.testing import CliRunner
+
+    from ikcode.cli import main
+
+    monkeypatch.delenv("IKCODE_TOKEN", raising=False)
+    for command in (["env"], ["settings"]):
+        result = CliRunner().invoke(main, [*command, "--base-url", "http://10.255.255.1:9999"])
+        assert result.exit_code == 1 and "IKCODE_TOKEN" in result.output, result.output
+        assert not isinstance(result.exception, Exception) or isinstance(result.exception, SystemExit)
+
+
+def test_the_bench_signs_in_as_claude_and_doctor_do(monkeypatch):
+    from ikcode.cli.bench import _profile_token
+    from ikcode.profiles import load_profile
+
+    monkeypatch.delenv("IKCODE_TOKEN", raising=False)
+    local = load_profile("local")
+    assert _profile_token(local, "http://10.255.255.1:8741") is None  # it grants everything here
+    assert _profile_token(local, "http://127.0.0.1:8741") == auth.load_or_create_token()
+    monkeypatch.setenv("IKCODE_TOKEN", "ik-alice-own-token")
+    assert _profile_token(local, "http://10.255.255.1:8741") == "ik-alice-own-token"
+
+
+def test_each_launch_has_a_settings_file_of_its_own(monkeypatch):
+    from ikcode import paths
+    from ikcode.launcher.claude import mapping_for, write_settings_file
+    from ikcode.profiles import load_profile
+
+    folder = paths.ensure(paths.state_dir() / "claude-settings")
+    ended = folder / "999999999.json"  # a launch whose process is gone
+    ended.write_text("{}")
+    path = write_settings_file(mapping_for(load_profile("local"), discover=False))
+    assert path == folder / f"{os.getpid()}.json" and not ended.exists()
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and not list(folder.glob("*.tmp"))
+
+
+def test_status_fails_when_the_server_does_not_answer_as_it_should(monkeypatch, answering):
+    """Running (its state file says so) but refusing this machine's token, or paused: it said
+    `model: null` and exited 0."""
+    from click.testing import CliRunner
+
+    from ikcode import daemon
+    from ikcode.cli import main
+
+    port = int(answering.rsplit(":", 1)[1])
+    state = daemon.ServerState(os.getpid(), "127.0.0.1", port, answering, "local", "log", 0.0)
+    monkeypatch.setattr(daemon, "read_state", lambda: state)
+    result = CliRunner().invoke(main, ["status", "--json"])
+    assert result.exit_code == 1 and json.loads(result.output)["error"], result.output
+
+
+def test_rotating_the_token_says_the_server_needs_a_restart():
+    from click.testing import CliRunner
+
+    from ikcode.cli import main
+
+    result = CliRunner().invoke(main, ["token", "--rotate"])
+    assert result.exit_code == 0 and "restart" in result.stderr

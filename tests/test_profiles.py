@@ -95,3 +95,13 @@ def test_cli_profiles_and_unknown_profile_error():
     result = runner.invoke(main, ["env", "--profile", "nope"])
     assert result.exit_code != 0
     assert "known profiles" in result.output
+
+
+def test_a_server_bound_to_every_address_is_reached_on_loopback():
+    from ikcode.profiles import load_profile
+
+    profile = load_profile("local")
+    for bound, reached in (("0.0.0.0", "127.0.0.1"), ("::", "[::1]"), ("10.0.0.5", "10.0.0.5")):
+        endpoint = profile.endpoint.model_copy(update={"host": bound})
+        url = profile.model_copy(update={"endpoint": endpoint}).base_url
+        assert url == f"http://{reached}:{profile.endpoint.port}", url

@@ -226,7 +226,7 @@ def bench_command(**opts: Any) -> None:
         from ikcode.cli.serve import running_endpoint
 
         base_url = opts["base_url"] or running_endpoint(profile, named=opts["profile_name"] is not None)
-        token = opts["token"] or _profile_token(profile)
+        token = opts["token"] or _profile_token(profile, base_url)
         console.print(
             f"live: {workload.agents} agents x {workload.context_tokens:,} tokens against {base_url} ..."
         )
@@ -287,14 +287,22 @@ def _sensitivity(
             f.write("\n")
 
 
-def _profile_token(profile: Any) -> str | None:
+def _profile_token(profile: Any, base_url: str) -> str | None:
+    """What the live bench signs in with, as `ikcode claude` and `doctor` do (auth.client_token):
+    IKCODE_TOKEN, else this machine's token, and that only to a server on this machine (it grants
+    everything here); a profile's own `token_file` is this machine's server's token too."""
+    import os
     from pathlib import Path
+    from urllib.parse import urlsplit
 
     from ikcode import auth
 
-    path = Path(profile.auth.token_file).expanduser() if profile.auth.token_file else auth.token_path()
+    if os.environ.get("IKCODE_TOKEN") or not profile.auth.token_file:
+        return auth.client_token(base_url)
+    if not auth.is_loopback(urlsplit(base_url).hostname or ""):
+        return None
     try:
-        return path.read_text(encoding="utf-8").strip() or None
+        return Path(profile.auth.token_file).expanduser().read_text(encoding="utf-8").strip() or None
     except OSError:  # no token yet: the endpoint may not need one
         return None
 

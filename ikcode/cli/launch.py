@@ -50,7 +50,15 @@ def env_command(profile_ref: str | None, base_url: str | None, shell: str | None
     """
     profile = resolve_profile(profile_ref)
     url = base_url or running_endpoint(profile, named=profile_ref is not None)
-    click.echo(render(mapping_for(profile, url), shell or _guess_shell()), nl=False)
+    click.echo(render(_mapping(profile, url), shell or _guess_shell()), nl=False)
+
+
+def _mapping(profile, url: str | None):
+    """mapping_for, its refusals (a server elsewhere without IKCODE_TOKEN) as one line, not a traceback."""
+    try:
+        return mapping_for(profile, url)
+    except LauncherError as err:
+        raise click.ClickException(str(err)) from None
 
 
 @click.command("settings")
@@ -66,7 +74,7 @@ def settings_command(
 ) -> None:
     """Write, remove or inspect the mapping in Claude Code's settings files."""
     profile = resolve_profile(profile_ref)
-    mapping = mapping_for(profile, base_url or running_endpoint(profile, named=profile_ref is not None))
+    mapping = _mapping(profile, base_url or running_endpoint(profile, named=profile_ref is not None))
     project = Path.cwd()
     try:
         if action == "write":
@@ -208,3 +216,5 @@ def token_command(
         return
     token = auth.rotate_token() if rotate else auth.load_or_create_token()
     click.echo(token if show else f"{auth.token_path()} ({auth.redact(token)})")
+    if rotate:  # a running server still holds the old one: this machine's clients are refused
+        click.echo(restart, err=True)

@@ -62,15 +62,22 @@ def running_endpoint(profile: Profile, named: bool) -> str:
 
 def _ensure_stack(profile: Profile, asked_for: bool) -> str:
     running = daemon.read_state()
+    other = running is not None and running.profile != profile.name
+
+    def serving_another() -> daemon.DaemonError:
+        assert running is not None
+        return daemon.DaemonError(
+            f"ikcode is serving profile {running.profile!r} at {running.url}, not {profile.name!r}: "
+            f"stop it first (`ikcode down`), or run `ikcode claude --profile {running.profile}`"
+        )
+
     if daemon.health(profile.base_url) is not None:
-        other = running is not None and running.url == profile.base_url and running.profile != profile.name
-        if asked_for and running is not None and other:
-            raise daemon.DaemonError(
-                f"ikcode is serving profile {running.profile!r} at {running.url}, not {profile.name!r}: "
-                f"stop it first (`ikcode down`), or run `ikcode claude --profile {running.profile}`"
-            )
+        if asked_for and other and running.url == profile.base_url:
+            raise serving_another()
         return profile.base_url
     if running is not None and daemon.health(running.url) is not None:
+        if asked_for and other:  # a profile asked for by name is served by itself, or not at all
+            raise serving_another()
         return running.url
     state = start_stack(profile)
     click.echo(f"ikcode: serving {profile.served_model} at {state.url} (stop with `ikcode down`)", err=True)
@@ -126,11 +133,14 @@ def _summary(url: str, token: str) -> dict:
     try:
         # The local server, never through an HTTP_PROXY from the environment (it would get the token).
         out["health"] = httpx.get(f"{url}/health", headers=headers, timeout=3, trust_env=False).json()
-        models = httpx.get(f"{url}/v1/models", headers=headers, timeout=3, trust_env=False).json()
-        models = models.get("data") or []
+        answer = httpx.get(f"{url}/v1/models", headers=headers, timeout=3, trust_env=False)
+        if answer.status_code != 200:  # a token the server does not know (rotated since its start)
+            out["error"] = f"/v1/models answered {answer.status_code}: {answer.text[:200]}"
+            return out
+        models = answer.json().get("data") or []
         out["model"] = models[0] if models else None
     except (httpx.HTTPError, ValueError) as err:
-        out["error"] = str(err)
+        out["error"] = str(err) or type(err).__name__
     return out
 
 
@@ -160,9 +170,11 @@ def status_command(as_json: bool) -> None:
         report["error"] = info["error"]
     if as_json:
         click.echo(json.dumps(report, indent=2))
-        return
-    for key, value in report.items():
-        click.echo(f"{key:>22}: {value}")
+    else:
+        for key, value in report.items():
+            click.echo(f"{key:>22}: {value}")
+    if "error" in report:  # running, but not answering as it should
+        raise SystemExit(1)
 
 
 @click.command("logs")

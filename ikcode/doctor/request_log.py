@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -66,3 +67,21 @@ def cached_tokens(record: dict[str, Any]) -> int:
     tiers = int(record.get("cached_tokens_device") or 0) + int(record.get("cached_tokens_host") or 0)
     upstream = record.get("cached_tokens")
     return tiers or (upstream if isinstance(upstream, int) and not isinstance(upstream, bool) else 0)
+
+
+def record_time(record: dict[str, Any]) -> float | None:
+    """A record's `ts` as a Unix time (None when it has none)."""
+    try:
+        return datetime.fromisoformat(record["ts"]).timestamp()
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def this_run(records: list[dict[str, Any]], started_at: Any) -> list[dict[str, Any]]:
+    """The records the running server wrote: the log is appended to across restarts, and what a
+    run before a fix did must not fail the fixed server (/health's started_at; all without it)."""
+    try:
+        start = datetime.fromisoformat(started_at).timestamp()
+    except (TypeError, ValueError):
+        return records
+    return [r for r in records if (record_time(r) or 0.0) >= start]

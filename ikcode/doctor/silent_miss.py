@@ -12,11 +12,10 @@ Per pair of consecutive requests of one session (X-Claude-Code-Session-Id):
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime
 from typing import Any
 
 from ikcode.doctor.context import DoctorContext
-from ikcode.doctor.request_log import cached_tokens, no_log_result, read_records
+from ikcode.doctor.request_log import cached_tokens, no_log_result, read_records, record_time, this_run
 from ikcode.doctor.result import CheckResult, failed, passed, warned
 
 NAME = "silent_miss"
@@ -24,26 +23,9 @@ MIN_SHARED = 256  # tokens: below this a miss costs little and block rounding do
 MISS_FRACTION = 0.5
 
 
-def _ts(record: dict[str, Any]) -> float | None:
-    try:
-        return datetime.fromisoformat(record["ts"]).timestamp()
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def this_run(records: list[dict[str, Any]], started_at: Any) -> list[dict[str, Any]]:
-    """The records the running server wrote: the log is appended to across restarts, and a miss
-    of a run before a fix must not fail the fixed server (/health's started_at; all without it)."""
-    try:
-        start = datetime.fromisoformat(started_at).timestamp()
-    except (TypeError, ValueError):
-        return records
-    return [r for r in records if (_ts(r) or 0.0) >= start]
-
-
 def _overlaps(previous: dict[str, Any], current: dict[str, Any]) -> bool:
     """The previous request was still running when this one arrived (its blocks not committed yet)."""
-    start, now = _ts(previous), _ts(current)
+    start, now = record_time(previous), record_time(current)
     if start is None or now is None:
         return False
     return start + float(previous.get("duration_ms") or 0) / 1000 > now

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ikcode.doctor.context import DoctorContext
-from ikcode.doctor.request_log import no_log_result, read_records
+from ikcode.doctor.request_log import no_log_result, read_records, this_run
 from ikcode.doctor.result import CheckResult, failed, passed, warned
 
 NAME = "tail"
@@ -47,6 +47,7 @@ def check_tail(ctx: DoctorContext) -> CheckResult:
     records = read_records(ctx.request_log)
     if records is None:
         return no_log_result(ctx, NAME, "summarize TTFT")
+    records = this_run(records, (ctx.health or {}).get("started_at"))  # as silent_miss reads them
     bound = ctx.ttft_bound_s
     summary = summarize(records)
     data = {"ttft_bound_s": bound, **summary}

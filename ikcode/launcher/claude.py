@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,13 +147,37 @@ def default_args_for(profile: Profile, user_args: list[str]) -> list[str]:
 
 
 def write_settings_file(mapping: Mapping) -> Path:
-    path = paths.ensure(paths.state_dir()) / "claude-settings.json"
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """The `--settings` file of this launch: one per launch (this process becomes claude, so its
+    pid names it; two launches at once no longer write one file), files of launches that ended
+    removed. Its env block also blanks what the mapping removes from the shell: a settings file
+    beats the shell, and a user's settings.json holding ANTHROPIC_API_KEY or
+    CLAUDE_CODE_USE_BEDROCK would otherwise still win (the key then went to this server, or the
+    session to another provider); Claude Code takes an empty value as unset."""
+    folder = paths.ensure(paths.state_dir() / "claude-settings")
+    _remove_ended_launches(folder)
+    env = {name: "" for name in mapping.unset} | mapping.set
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")  # mode 0600, a fresh name
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        json.dump({"env": mapping.set, "modelOverrides": mapping.model_overrides}, handle, indent=2)
+        json.dump({"env": env, "modelOverrides": mapping.model_overrides}, handle, indent=2)
+    path = folder / f"{os.getpid()}.json"
     os.replace(tmp, path)
     return path
+
+
+def _remove_ended_launches(folder: Path) -> None:
+    for old in folder.glob("*.json"):
+        if old.stem.isdigit() and not _alive(int(old.stem)):
+            old.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def plan_launch(

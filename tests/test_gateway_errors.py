@@ -59,11 +59,20 @@ def test_refuses_non_loopback_without_tokens(engine, tokenizer):
           "output_config": {"format": {"type": "json_schema", "schema": {}}}}, "structured output"),
         ({"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "data": "AA"}}]}]}, "image"),
+        # An engine takes top_k as an int32: refused here, not passed on to overflow there.
+        ({"model": "tiny", "max_tokens": 5, "messages": HELLO, "top_k": 2**40}, "top_k"),
     ],
 )  # fmt: skip
 def test_invalid_requests(server, body, fragment):
     error = assert_error(post(server, body), 400, "invalid_request_error")
     assert fragment in error["error"]["message"]
+
+
+def test_an_error_does_not_echo_a_long_string_of_the_clients_whole(server):
+    content = [{"type": "x" * 5000, "text": "hi"}]
+    body = {"model": "tiny", "max_tokens": 5, "messages": [{"role": "user", "content": content}]}
+    error = assert_error(post(server, body), 400, "invalid_request_error")
+    assert len(error["error"]["message"]) < 1500, len(error["error"]["message"])
 
 
 def test_invalid_json_and_unknown_routes(server):

@@ -146,3 +146,19 @@ def test_reply_builder_stop_sequence_and_multibyte(tokenizer):
     builder.finish()
     assert builder.done and builder.stop_sequence == "##"
     assert builder.content == [{"type": "text", "text": "héllo ✓ wörld "}]
+
+
+@pytest.mark.parametrize(
+    "after",
+    [" then <tool", ' then <tool_call>\n{"name": "Read", "arguments": {"path": "b.py"'],
+    ids=["a marker begun", "a second call begun"],
+)
+def test_one_call_asked_for_ends_the_reply_even_when_more_arrived_at_once(tokenizer, after):
+    """disable_parallel_tool_use: tokens pushed together carry the call and what follows; what
+    the parser still held went out at finish() (a stray text block, or a crash on a call's
+    arguments with no block open)."""
+    builder = ReplyBuilder(tokenizer, (), [], one_call=True)
+    events = builder.push(tokenizer.encode(CALL + after)) + builder.finish()
+    assert [block["type"] for block in builder.content] == ["tool_use"]
+    assert builder.content[0]["input"] == {"path": "a.py"} and builder.one_call_done
+    assert not [e for e in events if e.get("content_block", {}).get("type") == "text"]

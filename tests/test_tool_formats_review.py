@@ -132,3 +132,39 @@ def test_qwen3_coder_union_type_is_written_as_the_template_writes_it():
     tools = [{"type": "function", "function": {"name": "Grep", "description": "Search.", "parameters": spec}}]
     theirs = render_template(load_template("qwen3_coder.jinja"), [{"role": "user", "content": "hi"}], tools)
     assert FORMATS["qwen3_coder"]().tools_text(tools) in theirs
+
+
+def _refuse(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def test_arguments_strict_json_has_no_word_for_go_to_the_client_as_text():
+    """json.loads takes NaN and a lone surrogate escape, and a literal_eval gives bytes or complex
+    numbers: sent as they were, the client's input_json_delta did not parse and a whole answer
+    was a 500."""
+    hermes = '<tool_call>\n{"name": "Read", "arguments": {"path": NaN, "s": "a\\ud83d"}}\n</tool_call>'
+    text, calls = parse_every_split("hermes", hermes)
+    assert calls == [("Read", {"path": "NaN", "s": "a?"})]
+    spec = {"type": "object", "properties": {"v": {"type": ["string", "null"]}}}
+    tools = [{"type": "function", "function": {"name": "Bash", "parameters": spec}}]
+    for raw, shown in (("1j", "1j"), ("b'x'", "b'x'"), ("...", "Ellipsis"), ("inf", "inf")):
+        reply = f"<tool_call>\n<function=Bash>\n<parameter=v>\n{raw}\n</parameter>\n</function>\n</tool_call>"
+        parser = FORMATS["qwen3_coder"]().new_parser(tools)
+        events = parser.feed(reply) + parser.finish()
+        partial = "".join(getattr(event, "partial_json", "") for event in events)
+        assert json.loads(partial, parse_constant=_refuse) == {"v": shown}, raw
+
+
+def test_a_close_marker_inside_a_json_string_is_the_strings_text():
+    """A Write of a file that mentions `</tool_call>` (code about tool calls): the call ended
+    there, its content was dropped and the rest became text."""
+    content = 'print("</tool_call>")'
+    reply = "<tool_call>\n" + json.dumps({"name": "Read", "arguments": {"path": content}}) + "\n</tool_call>"
+    assert parse_every_split("hermes", reply) == ("", [("Read", {"path": content})])
+
+
+@pytest.mark.parametrize("items", [True, [{"type": "string"}]], ids=["items true", "items a list"])
+def test_harmony_lists_a_tool_whose_array_items_are_not_an_object(items):
+    spec = {"type": "object", "properties": {"xs": {"type": "array", "items": items}}}
+    tools = [{"type": "function", "function": {"name": "T", "description": "", "parameters": spec}}]
+    assert "xs?: any[]" in FORMATS["harmony"]().tools_text(tools)

@@ -172,7 +172,8 @@ def validation_message(error: ValidationError) -> str:
     parts = []
     for item in error.errors(include_input=False, include_url=False)[:3]:
         where = ".".join(str(p) for p in item.get("loc", ())) or "body"
-        parts.append(f"{where}: {item.get('msg', 'invalid')}")
+        # Locations and messages can quote the client's own strings (a block's `type`): clipped.
+        parts.append(f"{where[:200]}: {str(item.get('msg', 'invalid'))[:300]}")
     more = error.error_count() - len(parts)
     return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
 

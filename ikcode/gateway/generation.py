@@ -202,8 +202,9 @@ class Generation:
             if self.error is not None:
                 raise from_engine_error(self.error)
             self.builder.finish()
-            self.completed = True
-            return JSONResponse(self._message(self.builder.content, final=True))
+            response = JSONResponse(self._message(self.builder.content, final=True))
+            self.completed = True  # only once the answer could be written
+            return response
         finally:
             gone.cancel()
             self.close()

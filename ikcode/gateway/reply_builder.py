@@ -101,7 +101,8 @@ class ReplyBuilder:
                 "" if self._stops.matched else self._stops.flush()
             )
             events += self._emit(self._parser.feed(tail)) if tail else []
-        events += self._emit(self._parser.finish())
+        if not self.one_call_done:  # after the one call asked for, what the parser holds is not sent
+            events += self._emit(self._parser.finish())
         events += self._close_text()
         return events
 

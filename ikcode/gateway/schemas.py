@@ -121,7 +121,7 @@ class MessagesRequest(_Open):
     stop_sequences: list[StrictStr] | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: StrictInt | None = Field(default=None, ge=0)
+    top_k: StrictInt | None = Field(default=None, ge=0, le=2**31 - 1)  # an engine's int32
     metadata: dict[str, Any] | None = None
     thinking: Thinking | None = None
     output_config: dict[str, Any] | None = None

@@ -26,6 +26,31 @@ def dumps(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
+_NOT_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def json_safe(value: Any) -> Any:
+    """A parsed argument as strict JSON can carry it to the client: what it has no word for
+    (NaN and the infinities json.loads accepts, a lone surrogate from a "\\ud83d" escape, the
+    bytes or complex numbers a literal_eval gives) becomes text. Else the streamed
+    input_json_delta would not parse, and a whole answer would not serialize at all (a 500)."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else _NOT_FINITE[repr(value)]
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return value
+        except UnicodeEncodeError:  # lone surrogates
+            return value.encode("utf-8", "replace").decode("utf-8")
+    if isinstance(value, dict):
+        return {json_safe(str(k)): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return str(value)
+
+
 # -- parser events --------------------------------------------------------------------------------
 @dataclass
 class TextPiece:

@@ -44,7 +44,7 @@ def _ts_type(spec: Any) -> str:
     nullable = " | null" if spec.get("nullable") else ""
     if kind == "array":
         items = spec.get("items")
-        if not items:
+        if not items or not isinstance(items, dict):  # JSON Schema allows `true` or a list here
             return "any[]" + nullable
         simple = {"string": "string[]", "number": "number[]", "integer": "number[]", "boolean": "boolean[]"}
         if items.get("type") in simple:

@@ -32,6 +32,10 @@ class JsonCallBody:
     def __init__(self) -> None:
         self._parser = JsonCallParser()
 
+    @property
+    def in_string(self) -> bool:
+        return self._parser.scanner.in_string
+
     def feed(self, text: str) -> list[ParseEvent]:
         return self._parser.feed(text)[0]
 

@@ -21,6 +21,7 @@ from ikcode.gateway.tool_formats.base import (
     ToolCallEnd,
     ToolCallStart,
     dumps,
+    json_safe,
     new_tool_use_id,
 )
 
@@ -70,7 +71,7 @@ class CallAssembler:
         return self._flush()
 
     def add(self, key: Any, value: Any) -> list[ParseEvent]:
-        self._pending.append((str(key), value))
+        self._pending.append((json_safe(str(key)), json_safe(value)))
         return self._flush()
 
     def _flush(self) -> list[ParseEvent]:
@@ -117,6 +118,14 @@ class ObjectScanner:
         self._nested: ObjectScanner | None = None
         self._nested_key: str | None = None
         self._awaiting_value_of: str | None = None
+
+    @property
+    def in_string(self) -> bool:
+        """Inside a string of the object, at any depth: a call's close marker there is text (a
+        Write of a file that mentions the marker)."""
+        if self.state != "inside":
+            return False
+        return self._quote is not None or (self._nested is not None and self._nested.in_string)
 
     def feed(self, text: str) -> tuple[list[tuple[str, Any, Any]], int]:
         """Members completed by `text`, and how many of its characters belong to the object."""

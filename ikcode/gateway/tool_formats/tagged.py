@@ -64,6 +64,10 @@ class TaggedCallParser:
             chunk, self._buf = self._buf[:at], self._buf[at + len(self.close_marker) :]
             self._raw += chunk
             out += self._body.feed(chunk)
+            if getattr(self._body, "in_string", False):  # the marker is a JSON string's text
+                self._raw += self.close_marker
+                out += self._body.feed(self.close_marker)
+                continue
             out += self._close(closed=True)
 
     def finish(self) -> list[ParseEvent]:

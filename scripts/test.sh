@@ -5,6 +5,7 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 ./install.sh --dev
+venv="${IKCODE_VENV:-$PWD/.venv}"  # where install.sh put it
 
 # Shells for the `ikcode env` quoting tests (skipped, with a reason, where they cannot be had).
 if ! command -v zsh >/dev/null || ! command -v fish >/dev/null; then
@@ -28,7 +29,7 @@ if [ ! -f /usr/include/fmt/format.h ] && [ "$(id -u)" = 0 ] && command -v apt-ge
   (apt-get update -qq && apt-get install -y -qq g++ libfmt-dev) >/dev/null 2>&1 || echo "(libfmt-dev not installed)"
 fi
 echo "==> DeepInfer's engine core (built once, then cached)"
-timeout 2400 .venv/bin/python tests/deepinfer_build/build.py ||
+timeout 2400 "$venv"/bin/python tests/deepinfer_build/build.py ||
   echo "(DeepInfer's engine core not built: the deepinfer tests will skip)"
 
 # The real Claude Code client, pinned, in a project-local folder (no global install needed).
@@ -53,7 +54,7 @@ llamacpp_version="${IKCODE_LLAMACPP_VERSION:-0.3.36}"
 llamacpp_spec="llama-cpp-python[server]==$llamacpp_version"
 portable_dir="${XDG_CACHE_HOME:-$HOME/.cache}/ikcode/wheels/llama-cpp-python-$llamacpp_version-portable"
 llamacpp_runs() {  # loads the default model and computes one token, in a child process
-  timeout 300 .venv/bin/python - >/dev/null 2>&1 <<'PY'
+  timeout 300 "$venv"/bin/python - >/dev/null 2>&1 <<'PY'
 import llama_cpp.server
 from ikcode.model.default_model import default_model_path
 llama = llama_cpp.Llama(model_path=str(default_model_path()), n_ctx=64, n_threads=1, verbose=False)
@@ -63,14 +64,14 @@ PY
 install_portable_llamacpp() {
   if ! ls "$portable_dir"/llama_cpp_python-*.whl >/dev/null 2>&1; then
     echo "==> building a portable llama-cpp-python $llamacpp_version (GGML_NATIVE=OFF; ~15 min once)"
-    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_NATIVE=OFF" timeout 2400 .venv/bin/pip wheel -q --no-deps \
+    CMAKE_ARGS="${CMAKE_ARGS:-} -DGGML_NATIVE=OFF" timeout 2400 "$venv"/bin/pip wheel -q --no-deps \
       --no-cache-dir --no-binary llama-cpp-python -w "$portable_dir" "llama-cpp-python==$llamacpp_version" ||
       return 1
   fi
   wheel="$(ls "$portable_dir"/llama_cpp_python-*.whl | head -n 1)"
-  .venv/bin/pip install -q --force-reinstall --no-deps "$wheel" && .venv/bin/pip install -q "$wheel[server]"
+  "$venv"/bin/pip install -q --force-reinstall --no-deps "$wheel" && "$venv"/bin/pip install -q "$wheel[server]"
 }
-llamacpp_import() { .venv/bin/python -c "import llama_cpp.server" >/dev/null 2>&1; }
+llamacpp_import() { "$venv"/bin/python -c "import llama_cpp.server" >/dev/null 2>&1; }
 if [ "${IKCODE_TEST_LLAMACPP:-1}" != 0 ]; then
   status=0; llamacpp_import || status=$?
   if [ "$status" != 0 ] && [ "$status" != 132 ]; then  # 132: there, but killed by SIGILL
@@ -78,7 +79,7 @@ if [ "${IKCODE_TEST_LLAMACPP:-1}" != 0 ]; then
       install_portable_llamacpp || true
     else
       echo "==> installing $llamacpp_spec (compiles llama.cpp unless pip has it cached)"
-      timeout 2400 .venv/bin/pip install -q "$llamacpp_spec" ||
+      timeout 2400 "$venv"/bin/pip install -q "$llamacpp_spec" ||
         echo "(llama-cpp-python not installed: its tests will skip)"
     fi
   fi
@@ -91,7 +92,7 @@ if [ "${IKCODE_TEST_LLAMACPP:-1}" != 0 ]; then
 fi
 
 set +e
-.venv/bin/python -m pytest -q "$@"
+"$venv"/bin/python -m pytest -q "$@"
 status=$?
 set -e
 if [ "$status" -eq 5 ]; then

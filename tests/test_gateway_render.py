@@ -241,3 +241,38 @@ def test_block_hashes_resume_only_where_the_tokens_are_the_same(tokenizer):
     assert with_reply.token_ids != from_text.token_ids
     assert hasher.hashes(with_reply) == hash_blocks(with_reply.token_ids, 4)
     assert hasher.hashes(from_text) == hash_blocks(from_text.token_ids, 4)
+
+
+def test_a_plain_system_prompt_cannot_spell_another_prompts_segment_key():
+    """The segment store is shared by every user: a system prompt without tools that spelt the
+    key of one with tools ("system\\0" + prefix + "\\0" + text) got its tokens from whichever
+    request came first (llama3_json, whose tools change the system segment's header)."""
+    from ikcode.gateway.render import callable_tools
+    from tests.test_tool_formats import CASES, load_template
+
+    case = next(case for case in CASES if case.name == "llama3_json")
+    specials = ("<|endoftext|>", *case.specials, *case.role_specials)
+    tokenizer = Tokenizer.from_vocab(
+        special_tokens=specials, eos_tokens=("<|eot_id|>",), chat_template=load_template(case.template)
+    )
+    tokenizer.bos_token_id = tokenizer.token_to_id("<|begin_of_text|>")
+    tools = [{"name": "Read", "description": "Read a file", "input_schema": {"type": "object"}}]
+    hi = [{"role": "user", "content": "hi"}]
+
+    def request(system: str | None, with_tools: bool) -> MessagesRequest:
+        body = {"model": "m", "max_tokens": 5, "messages": hi} | ({"system": system} if system else {})
+        return MessagesRequest.model_validate(body | ({"tools": tools} if with_tools else {}))
+
+    def render(renderer: Renderer, system: str, with_tools: bool) -> list[int]:
+        r = request(system, with_tools)
+        return renderer.render(r.system, r.tools, r.tool_choice, r.messages).token_ids
+
+    probe = Renderer(tokenizer)
+    prefix = probe.tool_format.system_prefix(probe.format.prefix["system"])
+    assert prefix != probe.format.prefix["system"]  # the case where the keys could meet
+    listed = probe.tool_format.tools_text(callable_tools(request(None, True).tools))
+    text = probe.tool_format.system_text("You are a helpful agent.", listed)
+    alone = render(Renderer(tokenizer), "You are a helpful agent.", True)
+    shared = Renderer(tokenizer)
+    render(shared, prefix + "\x00" + text, False)  # another user's request first
+    assert render(shared, "You are a helpful agent.", True) == alone

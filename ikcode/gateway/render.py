@@ -285,7 +285,11 @@ class Renderer:
             sys_text = self.tool_format.system_text(sys_text, tools_text)
             sys_prefix = self.tool_format.system_prefix(sys_prefix)
         if sys_text and sys_prefix != self.format.prefix["system"]:
-            key = _digest(b"system\x00" + sys_prefix.encode() + b"\x00" + sys_text.encode())
+            # Its own tag and the prefix's length: "system\0" + prefix + "\0" + text was also the
+            # key of a plain system prompt spelling prefix + "\0" + text, and the segment store is
+            # shared by every user (the first request's tokens would have served the other).
+            prefix = sys_prefix.encode()
+            key = _digest(b"system+tools\x00%d\x00" % len(prefix) + prefix + sys_text.encode())
             prompt.add(
                 key, *self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
             )

@@ -212,3 +212,21 @@ def test_the_live_gate_holds_sessions_at_plans_limit_over_http(tmp_path):
     finally:
         srv.stop()
         controller.shutdown(5)
+
+
+def test_what_admission_remembers_per_session_is_bounded():
+    """Session ids come from a client header: one new id per request grew admission's memory of
+    sessions for ever (nothing older than session_memory_s is read again)."""
+    from ikcode.admission.sessions import MAX_SESSIONS
+
+    policy = AdmissionPolicy(AdmissionConfig(max_active_sessions=0, session_memory_s=60.0))
+    now = 0.0
+    for i in range(MAX_SESSIONS + 2_000):
+        now += 0.001 if i < MAX_SESSIONS + 1_000 else 1.0  # the last thousand span 1,000 s
+        ticket = policy.make_ticket(f"r{i}", CacheLookup(prompt_tokens=100, device_tokens=0), now, f"s{i}")
+        policy.offer(ticket, now)
+        for admitted in policy.admit(now):
+            policy.on_first_token(admitted.request_id, now)
+            policy.on_done(admitted.request_id, now)
+    assert len(policy._sessions) <= 61  # noqa: SLF001 - those seen within session_memory_s
+    assert f"s{MAX_SESSIONS + 1_999}" in policy._sessions  # noqa: SLF001

@@ -351,3 +351,17 @@ def test_random_operations_with_failing_copies_keep_every_invariant(seed):
     for seq in list(live):
         cache.release(seq, [])
     assert cache.num_free_blocks() == num_device
+
+
+def test_a_key_still_on_the_device_is_not_dropped_when_the_host_lets_it_go():
+    """With write-through every committed key is on both tiers; the host evicting one that the
+    device still holds counted it as gone from every tier (dropped_blocks, the ghost list and
+    on_dropped, which frees what goes with a key: DeepInfer's window snapshots)."""
+    dropped: list = []
+    cache = PrefixCache(2, 1, 1, write_through=True, on_dropped=dropped.append)
+    for seq, key in (("s1", b"k1"), ("s2", b"k2")):
+        cache.allocate(seq, [key], 1)
+        cache.release(seq, [key])
+    assert b"k1" in cache.pool.index and b"k1" not in cache.host.index  # the host let it go
+    assert dropped == [] and cache.stats.dropped_blocks == 0
+    cache.check_invariants()

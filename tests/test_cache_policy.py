@@ -73,3 +73,21 @@ def test_salting_prevents_cross_user_hits_but_shared_roots_are_shared():
     assert run(c2, "alice", a) == 0
     assert run(c2, "bob", b) == 2  # the system prompt only
     assert run(c2, "alice2", a) == 6
+
+
+def test_holds_renewed_turn_after_turn_leave_no_growing_heap_behind():
+    """An agent's blocks held again every turn on a device with room to spare: each renewal left
+    its old deadline in the heap, and only an eviction (none came) cleared them."""
+    now = [0.0]
+    cache = PrefixCache(4_000, 16, policy="ikcode", clock=lambda: now[0])
+    tokens = list(range(200 * 16))
+    for turn in range(100):
+        tokens += [7] * 160
+        hashes = hash_blocks(tokens, 16, "user")
+        cache.allocate(f"s{turn}", hashes, -(-len(tokens) // 16), session_id="sess", num_tokens=len(tokens))
+        now[0] += 5.0
+        cache.release(f"s{turn}", hashes, session_id="sess", hold_s=60.0)
+        now[0] += 5.0
+    policy = cache.policy
+    assert len(policy._deadlines) <= 2 * len(policy._held) + 1024  # noqa: SLF001
+    cache.check_invariants()

@@ -79,6 +79,27 @@ def test_cold_cap_per_replica_and_warm_first():
     asyncio.run(main())
 
 
+def test_a_new_session_waiting_for_a_slot_gets_it_when_an_idle_sessions_slot_frees():
+    """The slot frees with time, not with an event: with a quiet replica nothing looked again, and
+    the new session waited for ever. And a session's idle time starts when its request ends (it
+    counted from admission: a long turn lost its slot the moment it ended)."""
+
+    async def main() -> None:
+        adm = UpstreamAdmission(AdmissionConfig(max_active_sessions=1, session_idle_s=0.3), [A])
+        await adm.enter("a1", A, "sA", _turn(3))
+        await asyncio.sleep(0.5)  # a turn longer than session_idle_s
+        adm.first_token("a1")
+        adm.done("a1")
+        with pytest.raises(EngineOverloaded):  # sA's slot is still its own: B is shed once
+            await adm.enter("b1", A, "sB", _turn(3))
+        retry = asyncio.create_task(adm.enter("b2", A, "sB", _turn(3)))
+        await asyncio.sleep(0.1)
+        assert not retry.done()
+        await asyncio.wait_for(retry, 2)  # sA idle past session_idle_s: its slot went to sB
+
+    asyncio.run(main())
+
+
 def test_new_cold_work_is_shed_when_the_predicted_wait_exceeds_the_bound():
     async def main() -> None:
         config = AdmissionConfig(

@@ -158,9 +158,10 @@ def test_killed_replica_loses_no_session_for_more_than_one_retry(tmp_path):
 def test_session_memory_is_bounded_by_count_and_idle_time(tmp_path, monkeypatch):
     # Session ids come from a client header: a front that kept every id ever sent would grow
     # without end, and balance new sessions by counting dead ones.
+    from ikcode.admission import sessions
     from ikcode.upstream import router
 
-    monkeypatch.setattr(router, "MAX_SESSIONS", 10)
+    monkeypatch.setattr(sessions, "MAX_SESSIONS", 10)
     replica = EmbeddedReplica(tmp_path)
     app = front_app(tmp_path, "anthropic", [replica.url])
     srv = BackgroundServer(app).start()

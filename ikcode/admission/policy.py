@@ -20,7 +20,7 @@ Decisions:
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
@@ -29,7 +29,7 @@ from ikcode.engines.base import CacheLookup, EngineOverloaded
 
 from .config import AdmissionConfig
 from .rate import PrefillRateEstimator
-from .sessions import SessionLimit, SessionSlots
+from .sessions import SessionLimit, SessionSlots, forget_least_recent
 from .stats import ClassWaits
 
 
@@ -79,7 +79,9 @@ class AdmissionPolicy:
         self.queue: list[Ticket] = []  # waiting, arrival order
         self.inflight: dict[str, Ticket] = {}  # admitted, first token not yet out
         self.waits = {RequestClass.WARM: ClassWaits(), RequestClass.COLD: ClassWaits()}
-        self._sessions: dict[str, float] = {}  # session id -> last admitted (or deferred) at
+        # session id -> last admitted (or deferred) at, least recent first: ids come from a client
+        # header, so it is pruned past session_memory_s and MAX_SESSIONS (sessions.py)
+        self._sessions: OrderedDict[str, float] = OrderedDict()
         # Ranks of the engine (data parallel): each has its own prefill compute, so a cold read
         # takes num_ranks times the server's rate divided evenly, and the cold cap is per rank.
         self.num_ranks = 1
@@ -159,7 +161,12 @@ class AdmissionPolicy:
         if ticket.session_id:
             # Deferred once: its retry is queued, not shed again, so shedding spreads a
             # burst of new sessions over time without ever failing one.
-            self._sessions[ticket.session_id] = now
+            self._saw(ticket.session_id, now)
+
+    def _saw(self, session_id: str, now: float) -> None:
+        self._sessions[session_id] = now
+        self._sessions.move_to_end(session_id)
+        forget_least_recent(self._sessions, now, lambda at: at, self.config.session_memory_s)
 
     def _needs_slot(self, ticket: Ticket, now: float) -> bool:
         """A new session that the sessions active at once leave no room for now (new sessions
@@ -266,7 +273,7 @@ class AdmissionPolicy:
                 self.inflight[t.request_id] = t
                 self.waits[t.cls].record(now - t.arrived_at)
                 if t.session_id:
-                    self._sessions[t.session_id] = now
+                    self._saw(t.session_id, now)
                 self.slots.admitted(t.request_id, t.session_id, t.prompt_tokens, now)
                 self.slots.num_waited += t.needs_slot
                 t.new_session = t.needs_slot = False

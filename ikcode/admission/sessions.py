@@ -16,10 +16,30 @@ session id are a session each, held while in flight.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TypeVar
 
 SessionLimit = Callable[[int], int]  # conversation tokens at its first turn -> sessions at once
+# Session ids come from a client header: what is remembered per session is bounded in count too.
+MAX_SESSIONS = 10_000
+V = TypeVar("V")
+
+
+def forget_least_recent(
+    entries: OrderedDict[str, V], now: float, last_seen: Callable[[V], float], max_age_s: float
+) -> list[tuple[str, V]]:
+    """Drop, least recently seen first, the entries idle past max_age_s and any past MAX_SESSIONS
+    (entries is kept in the order last seen); returns what was dropped."""
+    dropped: list[tuple[str, V]] = []
+    while entries:
+        key, value = next(iter(entries.items()))
+        if now - last_seen(value) <= max_age_s and len(entries) <= MAX_SESSIONS:
+            break
+        del entries[key]
+        dropped.append((key, value))
+    return dropped
 
 
 @dataclass

@@ -91,6 +91,11 @@ class IkcodePolicy:
         while len(self._protected) > self._protected_cap:
             b, _ = self._protected.popitem(last=False)
             self._probation[b] = None
+        if len(self._deadlines) > 2 * len(self._held) + 1024:
+            # A block held again, or taken by a hit, leaves its old deadline behind, and only an
+            # eviction pops them: on a device with room to spare the heap grew every turn.
+            self._deadlines = [(d, n, b) for d, n, b in self._deadlines if self._held.get(b) == d]
+            heapq.heapify(self._deadlines)
 
     def _count_step(self, sharer: str) -> int:
         """This release is the sharer's n-th step; returns n (0 when the sharer is unknown)."""

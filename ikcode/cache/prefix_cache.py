@@ -302,7 +302,8 @@ class PrefixCache:
     def _host_evicted(self, key: BlockHash | None, now: float) -> None:
         if key is not None:
             self.stats.host_evicted_blocks += 1
-            self._dropped(key, now)
+            if key not in self.pool.index:  # else it is still on the device: not dropped yet
+                self._dropped(key, now)
 
     def _dropped(self, key: BlockHash, now: float) -> None:
         self.stats.dropped_blocks += 1

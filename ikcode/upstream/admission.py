@@ -25,9 +25,10 @@ from typing import Any
 
 from ikcode.admission import AdmissionConfig
 from ikcode.admission.policy import AdmissionPolicy, Ticket
+from ikcode.admission.sessions import forget_least_recent
 from ikcode.engines.base import CacheLookup
 
-from .router import forget_least_recent, shown_url
+from .router import shown_url
 
 _PRIOR_TOKENS_PER_BYTE = 0.3  # JSON-wrapped code and English: ~3.3 bytes per token
 
@@ -61,6 +62,7 @@ class UpstreamAdmission:
         self.tokens_per_byte = _PRIOR_TOKENS_PER_BYTE
         self._waiters: dict[str, asyncio.Future[None]] = {}
         self._tickets: dict[str, tuple[str, Ticket]] = {}  # request id -> (replica url, ticket)
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # replica url -> its next look (_pump)
 
     def lookup(
         self, replica_url: str, session_id: str | None, hashes: list[bytes], sizes: list[int], extra: int
@@ -112,10 +114,21 @@ class UpstreamAdmission:
         forget_least_recent(self.sessions, now, lambda memory: memory.last_seen, self.config.session_memory_s)
 
     def _pump(self, replica_url: str) -> None:
-        for ticket in self.policies[replica_url].admit(time.monotonic()):
+        policy = self.policies[replica_url]
+        now = time.monotonic()
+        for ticket in policy.admit(now):
             waiter = self._waiters.pop(ticket.request_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
+        # A new session waiting for a slot gets one when an idle session's slot frees: with time,
+        # not with an event here (a quiet replica sends none). Look again then.
+        timer = self._timers.pop(replica_url, None)
+        if timer is not None:
+            timer.cancel()
+        wait_s = policy.next_change_s(now)
+        if wait_s is not None:
+            loop = asyncio.get_running_loop()
+            self._timers[replica_url] = loop.call_later(max(0.01, wait_s), self._pump, replica_url)
 
     def first_token(self, request_id: str, computed_tokens: int | None = None) -> None:
         """The replica answered: the request's prefill is over (its cold slot frees)."""
@@ -136,7 +149,7 @@ class UpstreamAdmission:
         if ticket.request_id in self.policies[url].inflight and prompt_tokens:
             computed = prompt_tokens - (cached or 0) if cached is not None else None
             self.policies[url].on_first_token(request_id, time.monotonic(), computed)
-        self.policies[url].on_done(request_id)
+        self.policies[url].on_done(request_id, time.monotonic())  # its session's idle time starts now
         if ticket.session_id and served_by and served_by != url:
             memory = self.sessions.get(ticket.session_id)
             if memory is not None:

@@ -15,20 +15,18 @@ import re
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
+
+from ikcode.admission.sessions import forget_least_recent
 
 # New sessions follow their prefix's replica until it holds this many more sessions than another.
 SESSION_SLACK = 2
 # A session's replica is remembered this long after its last request (an hour, as admission
 # remembers a session: AdmissionConfig.session_memory_s), and for at most this many sessions:
-# session ids come from a client header, so memory must not grow with every id ever sent.
+# session ids come from a client header, so memory must not grow with every id ever sent
+# (admission.sessions.MAX_SESSIONS).
 SESSION_MEMORY_S = 3600.0
-MAX_SESSIONS = 10_000
-
-V = TypeVar("V")
 
 
 @dataclass
@@ -65,21 +63,6 @@ def without_credentials(text: str) -> str:
     """text (an error message naming a URL) with every URL shown as shown_url shows it: no user,
     password or query."""
     return _URL.sub(lambda match: shown_url(match.group(0)), text)
-
-
-def forget_least_recent(
-    entries: OrderedDict[str, V], now: float, last_seen: Callable[[V], float], max_age_s: float
-) -> list[tuple[str, V]]:
-    """Drop, least recently seen first, the entries idle past max_age_s and any past MAX_SESSIONS
-    (entries is kept in the order last seen); returns what was dropped."""
-    dropped: list[tuple[str, V]] = []
-    while entries:
-        key, value = next(iter(entries.items()))
-        if now - last_seen(value) <= max_age_s and len(entries) <= MAX_SESSIONS:
-            break
-        del entries[key]
-        dropped.append((key, value))
-    return dropped
 
 
 class NoReplica(Exception):

@@ -123,3 +123,10 @@ def test_the_installed_status_line_reads_the_log_of_its_own_home(tmp_path, monke
     proc = subprocess.run(command, shell=True, input=CLIENT_JSON, capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "cache 80% device" in proc.stdout
+
+
+def test_a_record_whose_model_is_not_a_string_still_gives_a_line(tmp_path):
+    """An upstream front logs the client's `model` as it came: an object there crashed the line."""
+    log = write_log(tmp_path / "requests.jsonl", record(model={"a": [["x"]]}), record(model="m" * 5000))
+    line = status_line(CLIENT_JSON, log)
+    assert "cache" in line and len(line) < 300

@@ -357,3 +357,31 @@ def test_tool_calls_streamed_interleaved_end_with_an_error_not_a_cut_input(tmp_p
     finally:
         front.stop()
         replica.close()
+
+
+QUOTED = json.dumps(
+    {"error": {"type": "invalid_request_error", "message": "bad input: [MY SECRET PROMPT sk-live-123]"}}
+).encode()
+QUOTING = (
+    b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+    + f"content-length: {len(QUOTED)}\r\n\r\n".encode()
+    + QUOTED
+)
+
+
+@pytest.mark.parametrize("kind", ["anthropic", "openai"])
+def test_an_upstream_error_quoting_the_prompt_stays_out_of_the_log(tmp_path, kind):
+    """The client gets the replica's error whole; the request log kept its message, and servers'
+    validation errors quote the request back (no prompts in logs unless log_prompts)."""
+    replica = ScriptedReplica([], clean=False, raw=QUOTING)
+    front = front_server(tmp_path, kind, [replica.url])
+    try:
+        whole = dict(BODY, stream=False, model={"a": [["x"]]} if kind == "anthropic" else "tiny")
+        answer = httpx.post(front.url + "/v1/messages", json=whole, headers=HEADERS, timeout=30)
+        assert answer.status_code == 400 and "MY SECRET PROMPT" in answer.text
+        (record,) = front_records(tmp_path)
+        assert "SECRET" not in json.dumps(record) and "400" in record["error"], record
+        assert record["model"] in (None, "tiny")  # a client's object is not logged as it came
+    finally:
+        front.stop()
+        replica.close()

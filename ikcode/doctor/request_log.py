@@ -47,7 +47,9 @@ def read_records(path: Path | None, max_records: int = 5000) -> list[dict[str, A
             raw = handle.read()
     except OSError:
         return None
-    lines = raw.decode("utf-8", errors="replace").splitlines()
+    # Split on newlines only: str.splitlines also breaks on U+0085 / U+2028, which the log
+    # writes unescaped inside a string (a session header holding one would split its record).
+    lines = [line.decode("utf-8", errors="replace") for line in raw.split(b"\n")]
     if size > TAIL_BYTES and lines:
         lines = lines[1:]  # the first line may be cut
     records = []

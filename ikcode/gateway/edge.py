@@ -222,6 +222,11 @@ def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
+def clip_session(session_id: str | None) -> str | None:
+    """A session id as the request log keeps it: a client's header (Claude Code's are UUIDs)."""
+    return None if session_id is None else clip(session_id, 128)
+
+
 def check_model(gw: EdgeState, model: str) -> None:
     if not gw.settings.accepts(model):
         raise APIError(404, f"model: {clip(model)} (this server serves {gw.settings.served_model})")

@@ -23,7 +23,7 @@ from ikcode.engines.base import (
     SamplingParams,
 )
 from ikcode.gateway.compaction import is_summary_request
-from ikcode.gateway.edge import check_concurrency, check_max_tokens, check_model, clip
+from ikcode.gateway.edge import check_concurrency, check_max_tokens, check_model, clip, clip_session
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation, release_slot, take_slot
 from ikcode.gateway.render import RenderedPrompt
@@ -191,7 +191,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
     record: dict[str, Any] = {
         "ts": now_iso(),
         "request_id": request_id,
-        "session_id": session_id,
+        "session_id": clip_session(session_id),
         "user": user,
         "model": clip(body.model),
         "stream": bool(body.stream),

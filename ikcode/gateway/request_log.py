@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
@@ -32,8 +33,8 @@ class RequestLog:
         self._lock = threading.Lock()
         self._file = None
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the app's life
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._file = _open_private(path)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
@@ -54,10 +55,16 @@ class RequestLog:
         assert self.path is not None and self._file is not None
         self._file.close()
         self.path.replace(self.path.with_name(self.path.name + ".1"))
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        self._file = _open_private(self.path)
 
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def _open_private(path: Path):
+    """For appending, mode 0600 when created: user names, session ids (prompts, with log_prompts)
+    are no other account's to read, wherever `request_log_path` puts the file."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a", encoding="utf-8")

@@ -40,7 +40,7 @@ def last_request(log_path: Path, session_id: str | None) -> dict[str, Any] | Non
             tail = handle.read()
     except OSError:
         return None
-    for raw in reversed(tail.splitlines()):
+    for raw in reversed(tail.split(b"\n")):
         if session_id.encode() not in raw:
             continue
         try:
@@ -88,7 +88,7 @@ def _ms(value: Any) -> str:
 
 def format_line(session: dict[str, Any], record: dict[str, Any] | None) -> str:
     model = (session.get("model") or {}).get("id") if isinstance(session.get("model"), dict) else None
-    served = (record or {}).get("model") or model or "?"
+    served = str((record or {}).get("model") or model or "?")[:100]  # a client's string, any type
     if record is None:
         return f"{served} · ikcode: no request of this session in the log yet"
     prompt = int(record.get("prompt_tokens") or 0)

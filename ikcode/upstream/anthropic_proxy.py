@@ -17,12 +17,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
+from ikcode.gateway.edge import clip
 from ikcode.gateway.errors import APIError, error_body
 from ikcode.gateway.sse import STREAM_HEADERS, ClosingStreamingResponse, sse_event
 
 from .forward import (
     SSEScanner,
     StreamEnd,
+    logged_error,
     open_stream,
     prefix_key,
     read_answer,
@@ -44,7 +46,8 @@ def _usage_numbers(usage: dict[str, Any]) -> tuple[int, int | None, int]:
 class _Tap:
     """What ikcode learns from an Anthropic answer while relaying it."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_prompts: bool = False) -> None:
+        self.log_prompts = log_prompts  # whether an error's message may go to the request log
         self.usage: dict[str, Any] = {}
         self.first_delta_at: float | None = None
         self.stop_reason: str | None = None
@@ -72,7 +75,7 @@ class _Tap:
             self.usage.update({k: v for k, v in (payload.get("usage") or {}).items() if v is not None})
             self.stop_reason = (payload.get("delta") or {}).get("stop_reason")
         else:
-            self.error = json.dumps(payload.get("error"))[:500]
+            self.error = logged_error(self.log_prompts, None, payload)
 
 
 def _body_for_upstream(up: Upstream, raw: bytes, parsed: Any = None) -> tuple[bytes, dict[str, Any]]:
@@ -92,7 +95,8 @@ async def forward_messages(
     up: Upstream, request: Request, raw: bytes, record: dict[str, Any], arrived: float, parsed: Any = None
 ) -> Response:
     content, body = _body_for_upstream(up, raw, parsed)
-    record.update(model=body.get("model"), stream=bool(body.get("stream")))
+    model = body.get("model")  # the client's, as it came (no model check here): clipped, a string
+    record.update(model=clip(model) if isinstance(model, str) else None, stream=bool(body.get("stream")))
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     session = up.session_key(record.get("user"), request)
     headers = upstream_headers(up, request.headers, anthropic=True, session_key=session)
@@ -100,7 +104,7 @@ async def forward_messages(
         up, request, path, content, headers, session, prefix_key(body)
     )
     record.update(replica=replica.name, attempts=attempts, status=response.status_code)
-    tap = _Tap()
+    tap = _Tap(up.settings.log_prompts)
     if response.status_code != 200 or not body.get("stream"):
         try:
             data = await read_answer(up, request, replica, response)
@@ -118,7 +122,7 @@ async def forward_messages(
             except (ValueError, AttributeError):
                 pass
         else:
-            tap.error = data[:500].decode("utf-8", "replace")
+            tap.error = logged_error(up.settings.log_prompts, response.status_code, data)
         _finish(up, record, tap, arrived)
         return Response(data, status_code=response.status_code, headers=response_headers(response))
     end = StreamEnd(up, replica, response, record.get("user"))

@@ -33,6 +33,7 @@ from ikcode.gateway.edge import (
     check_max_tokens,
     check_model,
     clip,
+    clip_session,
     error_response,
     read_body,
     read_model,
@@ -164,7 +165,7 @@ def create_upstream_app(
         record: dict[str, Any] = {
             "ts": now_iso(),
             "request_id": new_message_id(),
-            "session_id": request.headers.get("x-claude-code-session-id"),
+            "session_id": clip_session(request.headers.get("x-claude-code-session-id")),
             "upstream_kind": config.kind,
         }
 

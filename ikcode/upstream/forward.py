@@ -4,6 +4,7 @@ replica out and try another (the client never sees a dead replica, only at worst
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -68,6 +69,24 @@ def response_headers(response: httpx.Response) -> dict[str, str]:
     out = {k: response.headers[k] for k in _KEEP_RESPONSE if k in response.headers}
     out.update({k: v for k, v in response.headers.items() if k.startswith("anthropic-")})
     return out
+
+
+def logged_error(log_prompts: bool, status: int | None, body: Any) -> str:
+    """What the request log keeps of an upstream's error: its status and type. Its message may
+    quote the request back (vLLM's and proxies' validation errors do), so it is kept only where
+    prompts may be logged (`log_prompts`); the client is given the whole answer either way."""
+    if isinstance(body, (bytes, bytearray)):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            body = None
+    error = body.get("error", body) if isinstance(body, dict) else body
+    kind = error.get("type") if isinstance(error, dict) else None
+    said = "upstream" + (f" {status}" if status else "") + (f" {str(kind)[:60]}" if kind else " error")
+    if log_prompts and error is not None:
+        message = error.get("message", error) if isinstance(error, dict) else error
+        said += f": {str(message)[:500]}"
+    return said
 
 
 def prefix_key(body: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from ikcode.gateway.sse import PING, STREAM_HEADERS, ClosingStreamingResponse, s
 
 from .forward import (
     StreamEnd,
+    logged_error,
     open_stream,
     prefix_key,
     read_answer,
@@ -96,7 +97,8 @@ async def forward_messages(
     if response.status_code != 200:
         reply = _error_response(response, raw)
         record["status"] = reply.status_code
-        _finish(up, record, UpstreamUsage(), None, None, arrived, raw[:500].decode("utf-8", "replace"))
+        why = logged_error(up.settings.log_prompts, response.status_code, raw)
+        _finish(up, record, UpstreamUsage(), None, None, arrived, why)
         return reply
     if not body.stream:
         try:
@@ -148,7 +150,7 @@ async def _translate(
             if not isinstance(chunk, dict):
                 raise json.JSONDecodeError("not a JSON object", payload, 0)
             if chunk.get("error"):
-                error = json.dumps(chunk["error"])[:500]
+                error = logged_error(up.settings.log_prompts, None, chunk)
                 break
             for event in tr.feed(chunk):
                 yield event

@@ -311,3 +311,23 @@ def test_an_engine_thread_that_stops_ends_its_streams_and_refuses_new_work():
             engine.submit(EngineRequest("y", [5, 6, 7], OK))
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_rope_tables_cover_the_window_the_pool_can_hold_not_the_files_context_length():
+    """A model file's context_length sized them: 1M positions cost GBs for a window the pool
+    could never reach, and a corrupt 2**28 failed the start."""
+    import dataclasses
+
+    from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from tests.tiny_model import tiny_config, tiny_state_dict
+
+    cfg = dataclasses.replace(tiny_config("llama", False), max_position_embeddings=1 << 16)
+    config = EmbeddedEngineConfig(kv_memory_bytes=256 * 1024, num_threads=1, device="cpu")
+    engine = EmbeddedEngine(cfg, tiny_state_dict(cfg, 0), config)
+    try:
+        assert engine.context_window < 1 << 16
+        assert engine.runner.model.rope_cos.shape[0] == engine.context_window
+        engine.start()
+        _serves(engine)
+    finally:
+        engine.shutdown(drain_timeout_s=5)

@@ -243,3 +243,53 @@ def test_hf_folder_with_wrong_shapes(tmp_path: Path) -> None:
     weights["model.layers.1.mlp.up_proj.weight"] = weights["model.layers.1.mlp.up_proj.weight"][:10]
     with pytest.raises(ModelLoadError, match=r"up_proj.weight has shape \(10, 64\), expected \(96, 64\)"):
         load_model(write_hf_folder(tmp_path / "ckpt", "llama", weights, tied=False))
+
+
+def test_a_quantized_checkpoint_or_unused_weights_are_refused(tmp_path: Path) -> None:
+    """An fp8 checkpoint loaded as raw codes, its scales ignored: a broken model without a word."""
+    pytest.importorskip("safetensors")
+    folder = write_hf_folder(tmp_path / "fp8", "llama", random_weights("llama", tied=False), tied=False)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"quantization_config": {"quant_method": "fp8"}}))
+    with pytest.raises(ModelLoadError, match=r"quantized checkpoint \(fp8\)"):
+        load_model(folder)
+    weights = random_weights("llama", tied=False)
+    weights["model.layers.0.self_attn.q_proj.weight_scale_inv"] = np.ones((1, 1), dtype=np.float32)
+    with pytest.raises(ModelLoadError, match="1 weights this model does not use, e.g. .*weight_scale_inv"):
+        load_model(write_hf_folder(tmp_path / "scales", "llama", weights, tied=False))
+
+
+def test_the_weight_cache_knows_a_file_by_its_bytes_and_mends_a_damaged_entry(tmp_path: Path) -> None:
+    """Same path, size and mtime (`cp -p`, `rsync -a`): the old weights were served. A damaged
+    entry was never rebuilt (every start dequantized again)."""
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", random_weights("qwen2", tied=True), quantize=False)
+    first = load_model(path)
+    stamp = path.stat().st_mtime_ns
+    write_gguf(path, "qwen2", random_weights("qwen2", tied=True, seed=1), quantize=False)
+    os.utime(path, ns=(stamp, stamp))
+    other = load_model(path)
+    assert not other.from_cache
+    assert not torch.equal(other.state_dict["model.norm.weight"], first.state_dict["model.norm.weight"])
+    entry = weight_cache.entry_dir(path)
+    (entry / "state_dict.pt").write_bytes(b"cut")
+    assert not load_model(path).from_cache  # read back from the file, and stored again
+    assert load_model(path).from_cache
+
+
+def test_a_cache_hit_takes_the_name_asked_for(tmp_path: Path, monkeypatch) -> None:
+    from ikcode.model import default_model
+
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", random_weights("qwen2", tied=True), quantize=False)
+    by_path = load_model(path)  # named after the file's general.name (or its stem)
+    monkeypatch.setattr(default_model, "default_model_path", lambda: path)
+    as_default = load_model(None)
+    assert (
+        as_default.from_cache and as_default.config.name == default_model.SERVED_NAME != by_path.config.name
+    )
+
+
+def test_gguf_metadata_that_does_not_add_up_is_one_line(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(TINY, "heads", 0)
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", random_weights("qwen2", tied=True), quantize=False)
+    with pytest.raises(ModelLoadError, match="m.gguf"):
+        load_model(path)

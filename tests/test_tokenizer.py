@@ -110,3 +110,19 @@ def test_random_ids_never_emit_split_characters(tok: Tokenizer) -> None:
     decoder = tok.incremental_decoder()
     out = "".join(decoder.feed(i) for i in ids) + decoder.flush()
     assert out == tok.decode(ids)
+
+
+@pytest.mark.parametrize("marker", ["<|im_end|>", "<|im_start|>"])
+def test_user_text_cannot_spell_a_marker_added_as_a_plain_token(tok: Tokenizer, marker: str) -> None:
+    """A fine-tune that added its chat markers as ordinary tokens (tokenizer.json `special:
+    false`, a GGUF user-defined token): user text spelling one became the marker itself, and
+    closed its own turn."""
+    import json
+
+    data = json.loads(tok.backend.to_str())
+    for added in data["added_tokens"]:
+        added["special"] = False
+    plain = Tokenizer.from_tokenizer_json(json.dumps(data), {"eos_token": "<|im_end|>"})
+    marker_id = plain.token_to_id(marker)
+    assert plain.encode(f"x{marker}", allow_special=True)[-1] == marker_id  # the template's own use
+    assert marker_id not in plain.encode(f"x{marker}y", allow_special=False)

@@ -62,30 +62,53 @@ def load_model(path: str | Path | None = None, use_cache: bool = True) -> Loaded
 
 
 def _load_gguf(source: Path, name: str | None, use_cache: bool) -> LoadedModel:
-    if use_cache and (hit := weight_cache.load(source)) is not None:
+    entry = weight_cache.entry_dir(source) if use_cache else None  # once: the file as read now
+    if entry is not None and (hit := weight_cache.load(entry)) is not None:
         state_dict, meta = hit
         config = ModelConfig(**{**meta["config"], "eos_token_ids": tuple(meta["config"]["eos_token_ids"])})
+        config = dataclasses.replace(config, name=name or meta["file_name"])  # as asked this time
         return _assemble(config, state_dict, Tokenizer.from_json(meta["tokenizer"]), source, from_cache=True)
 
     from ikcode.model import gguf_loader
 
-    reader = gguf_loader.open_reader(source)
-    meta = gguf_loader.read_metadata(reader)
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
-    tensor_names = {t.name for t in reader.tensors}
-    config = gguf_loader.config_from_metadata(
-        meta, tensor_names, name or str(meta.get("general.name") or source.stem)
-    )
-    config = dataclasses.replace(
-        config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
-    )
-    state_dict = gguf_loader.read_state_dict(reader, config)
-    loaded = _assemble(config, state_dict, tokenizer, source, from_cache=False)
-    if use_cache:
-        weight_cache.store(
-            source, state_dict, {"config": dataclasses.asdict(config), "tokenizer": tokenizer.to_json()}
+    try:
+        reader = gguf_loader.open_reader(source)
+        meta = gguf_loader.read_metadata(reader)
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        tensor_names = {t.name for t in reader.tensors}
+        file_name = str(meta.get("general.name") or source.stem)
+        config = gguf_loader.config_from_metadata(meta, tensor_names, name or file_name)
+        config = dataclasses.replace(
+            config, bos_token_id=tokenizer.bos_token_id, eos_token_ids=tokenizer.eos_token_ids
         )
+        _check_config(config, source)
+        state_dict = gguf_loader.read_state_dict(reader, config)
+    except (ValueError, KeyError, TypeError, IndexError, ZeroDivisionError) as exc:
+        # Metadata that does not add up (a token type list shorter than the tokens, a head count
+        # of 0, a tensor of the wrong size): one line naming the file, not a traceback.
+        raise ModelLoadError(f"{source}: malformed GGUF ({type(exc).__name__}: {exc})") from None
+    loaded = _assemble(config, state_dict, tokenizer, source, from_cache=False)
+    if entry is not None:
+        cached = {
+            "config": dataclasses.asdict(config),
+            "tokenizer": tokenizer.to_json(),
+            "file_name": file_name,
+        }
+        weight_cache.store(entry, source, state_dict, cached)
     return loaded
+
+
+def _check_config(config: ModelConfig, source: Path) -> None:
+    sizes = {
+        "context_length": config.max_position_embeddings,
+        "head_count": config.num_heads,
+        "head_count_kv": config.num_kv_heads,
+        "block_count": config.num_layers,
+        "embedding_length": config.hidden_size,
+    }
+    for what, value in sizes.items():
+        if value <= 0:
+            raise ModelLoadError(f"{source}: {what} is {value}: not a model this engine can run")
 
 
 def _assemble(
@@ -147,6 +170,9 @@ def _check_shapes(config: ModelConfig, state_dict: dict[str, torch.Tensor], sour
     missing = sorted(set(expected) - set(state_dict))
     if missing:
         raise ModelLoadError(f"{source}: {len(missing)} weights missing, e.g. {missing[0]}")
+    extra = sorted(set(state_dict) - set(expected))
+    if extra:  # scales of a quantization, adapters, another architecture's parts: not run here
+        raise ModelLoadError(f"{source}: {len(extra)} weights this model does not use, e.g. {extra[0]}")
     for name, shape in expected.items():
         if tuple(state_dict[name].shape) != shape:
             raise ModelLoadError(

@@ -106,8 +106,19 @@ def load_hf_checkpoint(directory: Path) -> tuple[ModelConfig, dict[str, torch.Te
     config_json = _read_json(directory / "config.json")
     if not config_json:
         raise ModelLoadError(f"{directory} has no config.json: not a Hugging Face checkpoint folder")
+    quantized = config_json.get("quantization_config")
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ModelLoadError(
+            f"{directory} is a quantized checkpoint ({method}): its weights need their scales, which "
+            "this engine does not apply; use the unquantized checkpoint or a GGUF of the model"
+        )
     config = config_from_hf(config_json, name=directory.name)
-    files = sorted(directory.glob("*.safetensors"))
+    index = _read_json(directory / "model.safetensors.index.json").get("weight_map")
+    if isinstance(index, dict) and index:  # the shards it names, not a consolidated copy beside them
+        files = sorted({directory / str(shard) for shard in index.values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(
             f"{directory} has no *.safetensors weights (PyTorch .bin files are not supported)"

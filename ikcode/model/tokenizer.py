@@ -8,6 +8,7 @@ the chat template writes whatever the model expects.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -73,6 +74,21 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
+# Added tokens shaped like a chat or tool marker: <|im_end|>, <tool_call>, [INST], [/INST].
+_MARKER = re.compile(r"<[^<>\s]+>|\[/?[A-Z_]+\]")
+
+
+def _markers_special(tokenizer_json: str) -> str:
+    """The vocabulary with every marker-shaped added token flagged special: encode_special_tokens
+    leaves only special ones as text, and a fine-tune that added <|im_end|> as a plain token
+    (HF `special: false`, a GGUF user-defined token) let user text close its own turn."""
+    data = json.loads(tokenizer_json)
+    for token in data.get("added_tokens") or []:
+        if _MARKER.fullmatch(str(token.get("content", ""))):
+            token["special"] = True
+    return json.dumps(data)
+
+
 @dataclass
 class Tokenizer:
     backend: BackendTokenizer
@@ -82,7 +98,7 @@ class Tokenizer:
 
     def __post_init__(self) -> None:
         # A twin that treats special-token text as plain text (for untrusted content).
-        self._literal = BackendTokenizer.from_str(self.backend.to_str())
+        self._literal = BackendTokenizer.from_str(_markers_special(self.backend.to_str()))
         self._literal.encode_special_tokens = True
 
     # -- construction -------------------------------------------------------------------------

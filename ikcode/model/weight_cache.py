@@ -20,7 +20,8 @@ import torch
 
 from ikcode import paths
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the sidecar names the file's own model name (a hit takes the name asked for)
+_PROBE = 1 << 20  # bytes read at each end of the source for its identity
 _WEIGHTS, _META = "state_dict.pt", "meta.json"
 
 
@@ -29,8 +30,17 @@ def _path_tag(source: Path) -> str:
 
 
 def entry_dir(source: Path) -> Path:
+    """The entry of the file as it is now: its path, inode, size and mtime, and a digest of its
+    first and last MiB (a copy that kept the size and mtime, `cp -p` or `rsync -a`, is told apart
+    by its bytes: a GGUF's header and tensor index lead, its last tensors close it)."""
     st = source.stat()
-    identity = f"{source.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{FORMAT_VERSION}"
+    digest = hashlib.sha256()
+    with source.open("rb") as handle:
+        digest.update(handle.read(_PROBE))
+        handle.seek(max(0, st.st_size - _PROBE))
+        digest.update(handle.read(_PROBE))
+    identity = f"{source.resolve()}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{digest.hexdigest()}"
+    identity += f"|v{FORMAT_VERSION}"
     return (
         paths.cache_dir()
         / "weights"
@@ -38,20 +48,26 @@ def entry_dir(source: Path) -> Path:
     )
 
 
-def load(source: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
-    """The cached (state_dict, meta) for this source file, or None."""
-    entry = entry_dir(source)
+def load(entry: Path) -> tuple[dict[str, torch.Tensor], dict] | None:
+    """The cached (state_dict, meta) of an entry, or None. An entry that cannot be read back
+    (a truncated file, a sidecar of another version) is removed, so the next store replaces it."""
+    if not entry.is_dir():
+        return None
     try:
         meta = json.loads((entry / _META).read_text())
+        if not isinstance(meta, dict) or not {"config", "tokenizer", "file_name"} <= meta.keys():
+            raise ValueError("not this version's sidecar")
         state_dict = torch.load(entry / _WEIGHTS, mmap=True, weights_only=True, map_location="cpu")
-    except (OSError, ValueError, RuntimeError):
+    except Exception:  # whatever a damaged entry raises: rebuilt from the source
+        shutil.rmtree(entry, ignore_errors=True)
         return None
     return state_dict, meta
 
 
-def store(source: Path, state_dict: dict[str, torch.Tensor], meta: dict) -> Path | None:
-    """Write an entry (replacing older entries of the same source path); None if the disk refused."""
-    entry = entry_dir(source)
+def store(entry: Path, source: Path, state_dict: dict[str, torch.Tensor], meta: dict) -> Path | None:
+    """Write `entry` (entry_dir(source) as read before converting: a file changed meanwhile is not
+    stored under its new identity), replacing older entries of the same path; None if the disk
+    refused."""
     tmp: Path | None = None
     try:
         root = paths.ensure(entry.parent)

@@ -7,6 +7,7 @@ from host tensors of the same layout: host_kv.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -52,7 +53,10 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.batch_invariance = batch_invariance
-        model = LlamaModel(cfg)
+        # Positions past what the pool holds are never computed: RoPE tables for those only (a
+        # 1M-token context_length cost GBs of tables, a corrupt one failed the allocation).
+        window = min(cfg.max_position_embeddings, num_blocks * block_size)
+        model = LlamaModel(dataclasses.replace(cfg, max_position_embeddings=window))
         model.load_hf_state_dict(state_dict)
         self.model = model.to(device).eval().requires_grad_(False)
         self.quantized_weight_bytes = 0

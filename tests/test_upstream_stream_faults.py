@@ -84,8 +84,9 @@ class ScriptedReplica:
         self.thread.join(5)
 
 
-def _events(url: str) -> list[dict]:
-    with httpx.stream("POST", url + "/v1/messages", json=BODY, headers=HEADERS, timeout=30) as answer:
+def _events(url: str, token: str = FRONT_TOKEN) -> list[dict]:
+    headers = {"x-api-key": token}
+    with httpx.stream("POST", url + "/v1/messages", json=BODY, headers=headers, timeout=30) as answer:
         assert answer.status_code == 200
         raw = b"".join(answer.iter_raw())
     return [json.loads(e.split(b"data: ", 1)[1]) for e in raw.split(b"\n\n") if b"data: " in e]
@@ -315,7 +316,7 @@ def test_cache_salts_are_keyed_by_the_front_so_no_one_else_can_name_them(tmp_pat
         front = front_server(tmp_path, "openai", [replica.url], settings={"auth_tokens": users})
         try:
             for token in [*users.values(), FRONT_TOKEN]:
-                _events_as(front.url, token)
+                _events(front.url, token)
         finally:
             front.stop()
         return [body["cache_salt"] for body in replica.bodies[-3:]]
@@ -329,13 +330,6 @@ def test_cache_salts_are_keyed_by_the_front_so_no_one_else_can_name_them(tmp_pat
         assert other_alice != alice  # another front's user of the same name: another namespace
     finally:
         replica.close()
-
-
-def _events_as(url: str, token: str) -> None:
-    headers = {"x-api-key": token}
-    with httpx.stream("POST", url + "/v1/messages", json=BODY, headers=headers, timeout=30) as answer:
-        assert answer.status_code == 200
-        answer.read()
 
 
 def test_tool_calls_streamed_interleaved_end_with_an_error_not_a_cut_input(tmp_path):

@@ -276,3 +276,32 @@ def test_a_plain_system_prompt_cannot_spell_another_prompts_segment_key():
     shared = Renderer(tokenizer)
     render(shared, prefix + "\x00" + text, False)  # another user's request first
     assert render(shared, "You are a helpful agent.", True) == alone
+
+
+@pytest.mark.parametrize(
+    ("template", "reason"),
+    [
+        (None, "has no chat template"),
+        ("{{ raise_exception('only user and assistant roles are supported') }}", "only user and assistant"),
+        ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "no end-of-turn token"),
+    ],
+)
+def test_chatml_fallback_is_a_warning_that_says_why(caplog, template, reason):
+    """A model whose vocabulary has no ChatML markers and whose template cannot be read is
+    prompted in ChatML: the server says so, and why, instead of serving poor answers silently."""
+    from ikcode.gateway.chat_format import derive_chat_format
+
+    plain = Tokenizer.from_vocab(special_tokens=("<|endoftext|>", "</s>"), eos_tokens=("</s>",))
+    with caplog.at_level("WARNING", logger="ikcode.gateway"):
+        found = derive_chat_format(plain, template)
+    assert found.name == "chatml"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "ChatML" in warned[0] and reason in warned[0]
+
+
+def test_no_warning_for_a_chatml_vocabulary(caplog, tokenizer):
+    from ikcode.gateway.chat_format import derive_chat_format
+
+    with caplog.at_level("WARNING", logger="ikcode.gateway"):
+        assert derive_chat_format(tokenizer, None).name == "chatml"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]

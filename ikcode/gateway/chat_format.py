@@ -9,11 +9,14 @@ result at the end-of-turn token.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
 ROLES = ("system", "user", "assistant")
+
+logger = logging.getLogger("ikcode.gateway")
 
 
 class TokenizerLike(Protocol):
@@ -44,13 +47,20 @@ def chatml_format() -> ChatFormat:
 
 
 def derive_chat_format(tokenizer: TokenizerLike, chat_template: str | None = None) -> ChatFormat:
-    """ChatML when the vocabulary has its markers, else probe the template, else ChatML."""
+    """ChatML when the vocabulary has its markers, else probe the template, else ChatML with a
+    warning: a model prompted in a format it was not trained on answers, but badly, and nothing
+    else would say why."""
     if tokenizer.token_to_id("<|im_start|>") is not None and tokenizer.token_to_id("<|im_end|>") is not None:
         return chatml_format()
+    why = "the model file has no chat template"
     if chat_template:
-        probed = probe_template(chat_template, _special_strings(tokenizer))
-        if probed is not None:
-            return probed
+        try:
+            return probe_template_or_raise(chat_template, _special_strings(tokenizer))
+        except TemplateProbeError as exc:
+            why = f"its chat template could not be read ({exc})"
+    logger.warning(
+        "prompting the model in ChatML, which its vocabulary does not mark: %s; answers may be poor", why
+    )
     return chatml_format()
 
 
@@ -73,8 +83,21 @@ def _special_strings(tokenizer: TokenizerLike) -> dict[str, str]:
 _SENTINEL = {"system": "\x01SYS\x01", "user": "\x01USR\x01", "assistant": "\x01AST\x01"}
 
 
+class TemplateProbeError(ValueError):
+    """A chat template that does not render, or whose turns cannot be told apart."""
+
+
 def probe_template(chat_template: str, specials: dict[str, str]) -> ChatFormat | None:
-    """Render [system, user, assistant, user] with sentinels and cut the markers out."""
+    """Render [system, user, assistant, user] with sentinels and cut the markers out; None when
+    the template does not render or its turns cannot be told apart."""
+    try:
+        return probe_template_or_raise(chat_template, specials)
+    except TemplateProbeError:
+        return None
+
+
+def probe_template_or_raise(chat_template: str, specials: dict[str, str]) -> ChatFormat:
+    """probe_template, raising TemplateProbeError with the reason instead of returning None."""
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -87,8 +110,8 @@ def probe_template(chat_template: str, specials: dict[str, str]) -> ChatFormat |
         messages = [{"role": r, "content": _SENTINEL[r] + str(i)} for i, r in enumerate(order)]
         text = template.render(messages=messages, add_generation_prompt=True, **specials)
         without_gen = template.render(messages=messages, add_generation_prompt=False, **specials)
-    except Exception:  # a template we cannot run: fall back to ChatML
-        return None
+    except Exception as exc:  # a template we cannot run (any jinja2 or template error)
+        raise TemplateProbeError(f"it does not render: {type(exc).__name__}: {str(exc)[:200]}") from exc
     generation_prompt = text[len(without_gen) :] if text.startswith(without_gen) else ""
     spans = []
     pos = 0
@@ -96,7 +119,7 @@ def probe_template(chat_template: str, specials: dict[str, str]) -> ChatFormat |
         marker = _SENTINEL[role] + str(i)
         at = without_gen.find(marker, pos)
         if at < 0:
-            return None
+            raise TemplateProbeError(f"the {role} message does not appear where it was put")
         spans.append((at, at + len(marker)))
         pos = at + len(marker)
     start_and_sys_prefix = without_gen[: spans[0][0]]
@@ -107,7 +130,7 @@ def probe_template(chat_template: str, specials: dict[str, str]) -> ChatFormat |
         between[2], specials.get("eos_token")
     )
     if eot is None:
-        return None
+        raise TemplateProbeError("no end-of-turn token between the turns")
 
     def split(gap: str) -> tuple[str, str]:
         if eot not in gap:  # a turn without an end marker: the gap is the next turn's opening

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from ikcode import paths
+from ikcode import paths, server_log
 
 
 class DaemonError(Exception):
@@ -265,6 +265,7 @@ def start_background(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            env={**os.environ, server_log.ENV_VAR: str(log)},  # it keeps the file's size bounded
         )
     state = ServerState(proc.pid, host, port, url, profile, str(log), time.time(), process_identity(proc.pid))
     write_state(state)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ikcode import auth, daemon
+from ikcode import auth, daemon, server_log
 from ikcode.cache.policy import make_policy
 from ikcode.engines.base import Engine
 from ikcode.model.errors import ModelLoadError
@@ -183,9 +183,7 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
     from ikcode.gateway import create_app
     from ikcode.gateway.server import run_server
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    server_log.configure()
     host = profile.endpoint.host
     running = daemon.read_state()
     if running is not None and running.pid != os.getpid():

@@ -20,9 +20,12 @@ def write_chart(reports: list[dict[str, Any]], path: str | Path, title: str = ""
     for ax, pct in zip(axes, ("p50", "p95"), strict=True):
         for k, cls in enumerate(classes):
             xs = [i + (k - 1.5) * width for i in range(len(reports))]
-            ys = [_block(r, cls)[pct] for r in reports]
+            blocks = [_block(r, cls) for r in reports]
+            # No turn of the class finished: no bar (a 0.0 one would read as instant), "n/a" label.
+            ys = [b[pct] if b.get("n", 1) else 0.0 for b in blocks]
             bars = ax.bar(xs, ys, width, label=cls, color=colors[cls])
-            ax.bar_label(bars, labels=[f"{y:.1f}" for y in ys], fontsize=8, padding=2)
+            labels = [f"{y:.1f}" if b.get("n", 1) else "n/a" for y, b in zip(ys, blocks, strict=True)]
+            ax.bar_label(bars, labels=labels, fontsize=8, padding=2)
         ax.set_xticks(range(len(reports)), [str(r["config"].get("policy", "?")) for r in reports])
         ax.set_title(f"{pct} time to first token")
         ax.set_ylabel("seconds")
@@ -41,5 +44,5 @@ def _block(report: dict[str, Any], cls: str) -> dict[str, Any]:
     if cls == "all":
         return report["ttft"]
     if cls == "steady":
-        return report.get("steady", {}).get("ttft", {"p50": 0.0, "p95": 0.0})
+        return report.get("steady", {}).get("ttft", {"n": 0, "p50": 0.0, "p95": 0.0})
     return report["ttft"][cls]

@@ -59,6 +59,7 @@ async def _turn(
     result: TurnResult,
     start: float,
     max_attempts: int,
+    turn_timeout_s: float,
 ) -> str:
     body = {
         "model": model,
@@ -70,53 +71,81 @@ async def _turn(
     hdrs = dict(headers, **{"X-Claude-Code-Session-Id": conv.session_id})
     while True:
         text: list[str] = []
+        usage: dict[str, Any] = {}
+        stopped = False
         try:
             async with client.stream("POST", url, json=body, headers=hdrs) as resp:
                 if resp.status_code in (429, 529) and result.attempts < max_attempts:
                     await resp.aread()
                     result.attempts += 1
-                    await asyncio.sleep(min(60.0, float(resp.headers.get("retry-after", "1"))))
+                    await asyncio.sleep(_retry_after_s(resp.headers.get("retry-after")))
                     continue
                 if resp.status_code != 200:
-                    result.failed = True
-                    result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                    return ""
+                    return _failed(result, start, f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
                 event = ""
                 async for line in resp.aiter_lines():
+                    # The server's pings reset httpx's read timeout: a wedged engine behind a live
+                    # gateway would hold the turn (and the run past --duration) for ever.
+                    if time.monotonic() - start - result.sent_at > turn_timeout_s:
+                        return _failed(result, start, f"no whole answer within {turn_timeout_s:.0f} s")
                     if line.startswith("event:"):
                         event = line[6:].strip()
                         continue
                     if not line.startswith("data:"):
                         continue
                     data = json.loads(line[5:])
+                    if not isinstance(data, dict):
+                        return _failed(result, start, f"an event that is not an object: {line[:100]!r}")
                     if event == "message_start":
-                        usage = data.get("message", {}).get("usage", {})
-                        cached = usage.get("cache_read_input_tokens", 0) or 0
-                        result.cached_tokens = cached
-                        result.prompt_tokens = (
-                            (usage.get("input_tokens", 0) or 0)
-                            + cached
-                            + (usage.get("cache_creation_input_tokens", 0) or 0)
-                        )
+                        usage.update((data.get("message") or {}).get("usage") or {})
                     elif event == "content_block_delta":
                         if result.ttft_s is None:
                             result.ttft_s = time.monotonic() - start - result.sent_at
-                        delta = data.get("delta", {})
+                        delta = data.get("delta") or {}
                         text.append(delta.get("text", "") or delta.get("partial_json", "") or "")
                     elif event == "message_delta":
-                        result.output_tokens = data.get("usage", {}).get("output_tokens", 0) or 0
+                        # The final usage: for long prompts the gateway reports the cache only
+                        # here (message_start carries zeros or a prediction), as Anthropic's does.
+                        usage.update({k: v for k, v in (data.get("usage") or {}).items() if v is not None})
+                    elif event == "message_stop":
+                        stopped = True
                     elif event == "error":
-                        result.failed = True
-                        result.error = json.dumps(data)[:200]
-                        return ""
+                        return _failed(result, start, json.dumps(data)[:200])
         except (httpx.HTTPError, json.JSONDecodeError) as err:
-            result.failed = True
-            result.error = f"{type(err).__name__}: {err}"
-            return ""
+            return _failed(result, start, f"{type(err).__name__}: {err}")
+        if not stopped:
+            return _failed(result, start, "the stream ended before message_stop")
+        _take_usage(result, usage)
         result.finished_at = time.monotonic() - start
         if result.ttft_s is None:  # an empty answer: first token = end of the stream
             result.ttft_s = time.monotonic() - start - result.sent_at
         return "".join(text)
+
+
+def _take_usage(result: TurnResult, usage: dict[str, Any]) -> None:
+    cached = int(usage.get("cache_read_input_tokens") or 0)
+    result.cached_tokens = cached
+    result.prompt_tokens = (
+        int(usage.get("input_tokens") or 0) + cached + int(usage.get("cache_creation_input_tokens") or 0)
+    )
+    result.output_tokens = int(usage.get("output_tokens") or 0)
+
+
+def _failed(result: TurnResult, start: float, error: str) -> str:
+    """Mark the turn failed (it ended now: the steady state's start still comes) and give the
+    empty reply."""
+    result.failed = True
+    result.error = error
+    result.finished_at = time.monotonic() - start
+    return ""
+
+
+def _retry_after_s(header: str | None) -> float:
+    """retry-after in seconds, at most a minute; an HTTP date or nonsense counts as 1 s."""
+    try:
+        return min(60.0, max(0.0, float(header or "1")))
+    except ValueError:
+        return 1.0
 
 
 async def _agent(
@@ -128,9 +157,12 @@ async def _agent(
     agent: int,
     start: float,
     results: list[TurnResult],
+    turn_timeout_s: float,
 ) -> None:
     script = AgentScript(workload, agent)
     turn: Turn | None = script.first_turn()
+    if turn.at >= workload.duration_s:  # a ramp longer than the run: this agent never starts
+        turn = None
     conv: _Conversation | None = None
     while turn is not None:
         delay = turn.at - (time.monotonic() - start)
@@ -141,7 +173,9 @@ async def _agent(
             conv.grow(turn.prompt_tokens)
         result = TurnResult(agent, turn.conversation, turn.step, time.monotonic() - start, turn.prompt_tokens)
         results.append(result)
-        reply = await _turn(client, url, headers, model, conv, turn, result, start, workload.max_attempts)
+        reply = await _turn(
+            client, url, headers, model, conv, turn, result, start, workload.max_attempts, turn_timeout_s
+        )
         now = time.monotonic() - start
         # A failed turn still gets an assistant message, so the conversation keeps alternating.
         conv.messages.append({"role": "assistant", "content": reply or "ok"})
@@ -169,7 +203,7 @@ async def run_live_async(
     limits = httpx.Limits(max_connections=workload.agents + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0), limits=limits) as client:
         tasks = [
-            asyncio.create_task(_agent(client, url, headers, model, workload, i, start, results))
+            asyncio.create_task(_agent(client, url, headers, model, workload, i, start, results, timeout_s))
             for i in range(workload.agents)
         ]
         pending = set(tasks)

@@ -24,9 +24,7 @@ def print_reports(reports: list[dict[str, Any]], console: Console | None = None)
                 str(r["requests"]) if cls == "all" else "",
                 cls,
                 str(block["n"]),
-                f"{block['p50']:.2f}",
-                f"{block['p95']:.2f}",
-                f"{block['p99']:.2f}",
+                *(_seconds(block, p) for p in ("p50", "p95", "p99")),
             )
     console.print(table)
     summary = Table(title="load and cache")
@@ -60,11 +58,11 @@ def print_reports(reports: list[dict[str, Any]], console: Console | None = None)
                     name,
                     f"{since:.0f}" if since is not None and name == "steady" else "",
                     str(block["n"]),
-                    f"{block['p50']:.2f}",
-                    f"{block['p95']:.2f}",
+                    _seconds(block, "p50"),
+                    _seconds(block, "p95"),
                     str(block["cold"]["n"]),
-                    f"{block['cold']['p50']:.1f}",
-                    f"{block['cold']['p95']:.1f}",
+                    _seconds(block["cold"], "p50", 1),
+                    _seconds(block["cold"], "p95", 1),
                 )
         console.print(steady)
     for r in reports:
@@ -75,6 +73,12 @@ def print_reports(reports: list[dict[str, Any]], console: Console | None = None)
             for line in comparisons(r):
                 console.print(f"[dim]{policy}: {line}[/dim]")
             console.print(f"[dim]{policy}: simulated in {r['simulator']['wall_s']:.1f} s[/dim]")
+
+
+def _seconds(block: dict[str, Any], key: str, digits: int = 2) -> str:
+    """A percentile of a TTFT block; a dash where no turn of the class finished (the JSON's 0.0
+    there would read as instant)."""
+    return f"{block[key]:.{digits}f}" if block.get("n", 1) else "-"
 
 
 def write_json(reports: list[dict[str, Any]], path: str | Path) -> None:

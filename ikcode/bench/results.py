@@ -87,18 +87,20 @@ def summarize(turns: list[TurnResult], duration_s: float, config: dict[str, Any]
     prompt = sum(t.prompt_tokens for t in ok)
     cached = sum(t.cached_tokens for t in ok)
     within = sum(1 for t in ok if t.ttft_s is not None and t.ttft_s <= 15.0)
+    failed = sum(1 for t in turns if t.failed)
     return {
         "config": config,
         "requests": len(turns),
         "completed": len(ok),
-        "failed": sum(1 for t in turns if t.failed),
+        "failed": failed,
         # Why turns failed, the commonest first (a run against a server that is not there says so).
         "errors": dict(Counter(t.error for t in turns if t.failed and t.error).most_common(3)),
         "shed_retries": sum(t.attempts - 1 for t in turns),
         "ttft": ttft,
         "steady": steady_block,
         "startup": {"ttft": _split(startup)},
-        "share_within_15s": within / len(ok) if ok else 0.0,
+        # Of the turns answered or failed: a failed turn was not answered within 15 s.
+        "share_within_15s": within / (len(ok) + failed) if ok or failed else 0.0,
         "cached_token_share": cached / prompt if prompt else 0.0,
         "prompt_tokens": prompt,
         "computed_tokens": prompt - cached,

@@ -305,3 +305,47 @@ def test_no_warning_for_a_chatml_vocabulary(caplog, tokenizer):
     with caplog.at_level("WARNING", logger="ikcode.gateway"):
         assert derive_chat_format(tokenizer, None).name == "chatml"
     assert not [r for r in caplog.records if r.levelname == "WARNING"]
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "format_name"),
+    [
+        # A tool call's input in another key order: the formats write it as given.
+        (
+            [{"type": "tool_use", "id": "t1", "name": "Read", "input": {"path": "a", "limit": 2}}],
+            [{"type": "tool_use", "id": "t1", "name": "Read", "input": {"limit": 2, "path": "a"}}],
+            None,
+        ),
+        # An empty text block is a joining newline in the rendering.
+        (
+            [{"type": "text", "text": "x"}],
+            [{"type": "text", "text": ""}, {"type": "text", "text": "x"}],
+            None,
+        ),
+        # harmony: a string and a text block are one turn, both framed as the final channel.
+        ("hello", [{"type": "text", "text": "hello"}], "harmony"),
+    ],
+)
+def test_a_turn_is_rendered_as_itself_whatever_was_rendered_before(first, second, format_name):
+    """The store of tokenized turns is shared by every user and conversation: a turn must take
+    the tokens of its own rendering, never those of another turn that merely looks alike."""
+    from ikcode.gateway.tool_formats import FORMATS
+
+    def renderer() -> Renderer:
+        fmt = FORMATS[format_name]() if format_name else None
+        specials = tuple(FORMATS[format_name].markers) if format_name else ()
+        tok = Tokenizer.from_vocab(special_tokens=("<|endoftext|>", "<|im_start|>", "<|im_end|>", *specials))
+        return Renderer(tok, tool_format=fmt)
+
+    def body(assistant) -> dict:
+        return {"messages": [
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": assistant},
+            {"role": "user", "content": "go on"},
+        ]}  # fmt: skip
+
+    shared = renderer()
+    render(shared, body(first))
+    after_first = render(shared, body(second)).token_ids
+    assert after_first == render(renderer(), body(second)).token_ids
+    if format_name == "harmony":  # and the string form is framed, as the block form is
+        assert after_first == render(renderer(), body(first)).token_ids

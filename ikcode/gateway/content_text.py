@@ -91,8 +91,8 @@ def system_message_text(content: str | list[Any]) -> str:
 
 
 def assistant_text(content: str | list[Any], tool_format: ToolFormat) -> str:
-    if isinstance(content, str):
-        return content
+    if isinstance(content, str):  # the same turn as one text block (harmony frames it)
+        return tool_format.assistant_text([("text", content)])
     items: list[tuple[str, Any]] = []
     for block in content:
         kind = block.type

@@ -85,17 +85,17 @@ class RenderedPrompt:
     one_call: bool = False  # tool_choice's disable_parallel_tool_use: at most one call in the reply
 
 
-def assistant_content_key(content: str | list[Any], strip: bool = True) -> bytes:
-    """Digest of an assistant turn as the client echoes it (ids, names, inputs, non-empty text).
-    strip: text blocks with their surrounding whitespace dropped, the way a client may echo a
-    reply back (the key of a remembered reply); strip=False for a key of the exact text (the
-    tokenization of a turn: whitespace is tokens)."""
+def assistant_content_key(content: str | list[Any]) -> bytes:
+    """Digest of an assistant turn as the client echoes a reply back (ids, names, inputs, text
+    blocks without their surrounding whitespace): the key of a remembered reply, whose tokens are
+    the ones generated, under its own user's salt. Not a key of a rendering: two turns with one
+    such key may render differently (key order of an input, empty text blocks)."""
     h = blake2b(digest_size=16)
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     for block in blocks:
         kind = _get(block, "type")
         if kind == "text":
-            text = _get(block, "text").strip() if strip else _get(block, "text")
+            text = _get(block, "text").strip()
             if text:
                 h.update(b"\x00t%d\x00" % len(text) + text.encode())
         elif kind in ("tool_use", "server_tool_use"):
@@ -315,9 +315,12 @@ class Renderer:
             if reply is not None:
                 seg, n = reply, 0
             else:
-                key = b"a" + assistant_content_key(content, strip=False)
-                text_fn = lambda: assistant_text(content, self.tool_format)  # noqa: E731
-                seg, n = self._segment("assistant", key, text_fn, not prefill)
+                # Keyed by the very text it renders to (the store is shared by every user and
+                # conversation): a key of the blocks (sorted inputs, empty texts skipped) gave
+                # two turns rendering differently one key, and one took the other's tokens.
+                text = assistant_text(content, self.tool_format)
+                key = _digest(b"assistant\x00" + text.encode())
+                seg, n = self._segment("assistant", key, lambda: text, not prefill)
             # An assistant turn's tokens are the generated ids while the store remembers them,
             # else its text's: the chain follows the tokens, so that equal digests keep meaning
             # equal token prefixes (block hashing resumes from them).

@@ -10,9 +10,12 @@
   prompts of each conversation with the turns they came from, so that a warm turn compares its
   messages with them instead of digesting each one (see previous_render). A few per key, because
   one session can interleave conversations (a subagent beside its parent). Bounded like the
-  session prefixes (4M tokens), whose prompt lists they mostly share: what they hold beyond those
-  (each request's parsed messages) is walked by every full garbage collection, which showed as a
-  ~40 ms p95 in bench/gateway_overhead.py with 8M tokens of renders held.
+  session prefixes (4M tokens, 4,096 conversations), whose prompt lists they mostly share: what
+  they hold beyond those (each request's parsed messages) is walked by every full garbage
+  collection, which showed as a ~40 ms p95 in bench/gateway_overhead.py with 8M tokens of renders
+  held. A render is charged its request's bytes where they are more than its tokens (an image is
+  a few tokens and megabytes): counted in tokens, 50 conversations of a 1 MB screenshot each held
+  50 MB as 9,050 tokens, and a client sending a new session id per request could fill memory.
 
 All are bounded LRU maps (by tokens held); thread-safe because rendering runs on worker threads.
 """
@@ -66,12 +69,14 @@ class ConversationStore:
         max_reply_tokens: int = 2_000_000,
         max_render_tokens: int = 4_000_000,
         max_renders_per_conversation: int = 4,
+        max_conversations: int = 4096,
     ):
         self._lock = threading.Lock()
         self._segments = _TokenLRU(max_segment_tokens)
         self._replies = _TokenLRU(max_reply_tokens)
         self.max_render_tokens = max_render_tokens
         self.max_renders_per_conversation = max_renders_per_conversation
+        self.max_conversations = max_conversations
         self._renders: OrderedDict[Hashable, list[PreviousRender]] = OrderedDict()
         self._render_tokens = 0
 
@@ -111,10 +116,17 @@ class ConversationStore:
                 dropped.append(kept.pop(0))
             kept.append(render)
             self._renders[conversation] = kept
-            self._render_tokens += len(render.token_ids) - sum(len(r.token_ids) for r in dropped)
-            while self._render_tokens > self.max_render_tokens and len(self._renders) > 1:
+            self._render_tokens += _weight(render) - sum(_weight(r) for r in dropped)
+            while len(self._renders) > 1 and (
+                self._render_tokens > self.max_render_tokens or len(self._renders) > self.max_conversations
+            ):
                 _, evicted = self._renders.popitem(last=False)
-                self._render_tokens -= sum(len(r.token_ids) for r in evicted)
+                self._render_tokens -= sum(_weight(r) for r in evicted)
+
+    def render_stats(self) -> tuple[int, int]:
+        """(conversations kept, tokens they are charged)."""
+        with self._lock:
+            return len(self._renders), self._render_tokens
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -128,3 +140,7 @@ class ConversationStore:
                 "reply_hits": self._replies.hits,
                 "reply_misses": self._replies.misses,
             }
+
+
+def _weight(render: PreviousRender) -> int:
+    return render.weight or len(render.token_ids)

@@ -155,6 +155,9 @@ async def unless_client_leaves(request: Request, work: Awaitable[T]) -> T:
 async def read_model(gw: EdgeState, request: Request, model: type[BaseModel]) -> Any:
     """The body, size-checked while it streams in, parsed strictly, validated into `model`."""
     raw = await read_body(request, body_limit(gw), lambda: too_large(gw))
+    # What the parsed request will hold in memory, for whatever keeps it past the request (the
+    # renderer's previous renders: an image is a few tokens but megabytes of base64).
+    request.state.body_bytes = len(raw)
     try:
         # pydantic parses the bytes itself (far faster than json.loads on multi-megabyte bodies).
         return model.model_validate_json(raw)

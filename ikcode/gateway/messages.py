@@ -108,8 +108,11 @@ def _render(
     body: MessagesRequest | CountTokensRequest,
     salt: str,
     conversation: tuple[str, str] | None = None,
+    body_bytes: int = 0,
 ) -> RenderedPrompt:
-    return gw.renderer.render(body.system, body.tools, body.tool_choice, body.messages, conversation, salt)
+    return gw.renderer.render(
+        body.system, body.tools, body.tool_choice, body.messages, conversation, salt, body_bytes
+    )
 
 
 def user_salt(gw: Gateway, user: str | None) -> str:
@@ -144,13 +147,14 @@ def _render_and_lookup(
     salt: str,
     session_id: str | None = None,
     record: dict[str, Any] | None = None,
+    body_bytes: int = 0,
 ) -> tuple[RenderedPrompt, CacheLookup, PromptBlockHashes | None]:
     """Render, hash (incrementally: only the blocks the conversation's previous turn did not
     have) and look the prompt up in the cache. The hashes travel with the request to the
     admission layer and the engine, so nothing hashes the prompt again."""
     # The conversation's previous render is reused per user (salt) and session: requests without
     # a session id share one such key per user.
-    rendered = _render(gw, body, salt, (salt, session_id or ""))
+    rendered = _render(gw, body, salt, (salt, session_id or ""), body_bytes)
     if record is not None:
         record["render_reused_tokens"] = rendered.reused_tokens
         _log_shared_prefix(gw, body, session_id, rendered, record)
@@ -205,7 +209,7 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
         salt = user_salt(gw, user)
         rendered, lookup, block_hashes = await run_in_threadpool(
-            _render_and_lookup, gw, body, salt, session_key, record
+            _render_and_lookup, gw, body, salt, session_key, record, getattr(request.state, "body_bytes", 0)
         )
         summary = is_summary_request(body)
         if summary:  # a compaction: a cold read of the whole conversation and a long summary

@@ -36,6 +36,10 @@ class PreviousRender:
     tool_inputs: list[tuple[int, int, Any]]  # (turn, block, the tool_use's input): rendered as JSON
     result_names: list[tuple[int, str, str]]  # (turn, tool_use id, tool name printed beside its result)
     loaded_tools: list[tuple[int, str, Any]]  # (turn, deferred tool a tool search loaded, its Tool)
+    # What it counts against the store's budget, in tokens: its prompt's, or its request's bytes
+    # at ~4 a token where they are more (the turns it keeps are that request, parsed: an image
+    # renders as a few tokens but keeps its megabytes of base64, and so do fields nobody reads).
+    weight: int = 0
 
     def reusable_turns(
         self, head_chain: bytes, turns: list[Turn], names: dict[str, str], deferred: dict[str, Any]

@@ -45,6 +45,8 @@ from ikcode.gateway.previous_render import PreviousRender, TurnReads, same_turn,
 from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
 _ROOT = b"\x00" * 16
+# Bytes of request a kept render is charged one token for (previous_render.PreviousRender.weight).
+BODY_BYTES_PER_TOKEN = 4
 # Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
 # tool format adds its own markers.
 _TAGS = ("<think>", "</think>")
@@ -219,13 +221,15 @@ class Renderer:
         messages: list[Any],
         conversation: Hashable | None = None,
         salt: str = "",
+        body_bytes: int = 0,
     ) -> RenderedPrompt:
         """The prompt's token ids. `conversation` (a key under which the caller's earlier requests
         of this conversation were rendered, salted per user) lets the leading turns that equal the
         previous request's take its tokens instead of being digested again; None: no such reuse.
         `salt` (the user's cache salt) scopes the remembered replies: an assistant turn takes the
         ids its own user's request generated, never another user's (whose tokens, unlike a text's,
-        say that the other user had this exchange)."""
+        say that the other user had this exchange). `body_bytes`: the size of the request the
+        messages were parsed from, what the render kept for the conversation holds in memory."""
         if not messages:
             raise invalid_request("messages: at least one message is required")
         deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
@@ -255,7 +259,13 @@ class Renderer:
         if conversation is not None:
             closed = len(turns) - prefill
             render = PreviousRender(
-                head_chain, num_head_boundaries, turns[:closed], prompt.ids, prompt.boundaries, *reads
+                head_chain,
+                num_head_boundaries,
+                turns[:closed],
+                prompt.ids,
+                prompt.boundaries,
+                *reads,
+                weight=max(len(prompt.ids), body_bytes // BODY_BYTES_PER_TOKEN),
             )
             self.store.put_render(conversation, render, replacing=previous)
         return RenderedPrompt(

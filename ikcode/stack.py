@@ -216,7 +216,8 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
             except ValueError as err:
                 raise daemon.DaemonError(str(err)) from None
             log.info("%s; serving %s at %s", what, profile.served_model, url)
-            run_server(app, host, port, log_level="warning", graceful_timeout_s=int(DEFAULT_DRAIN_S))
+            drain_s = lambda: daemon.read_drain_timeout(DEFAULT_DRAIN_S)  # noqa: E731
+            run_server(app, host, port, log_level="warning", drain_timeout_s=drain_s)
             return
         stack = build_stack(profile, model_path)
         log.info("%s", stack.description)

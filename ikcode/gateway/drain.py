@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
-from ikcode.gateway.state import Gateway
+from ikcode.gateway.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -21,12 +22,20 @@ CUT_GRACE_S = 5.0
 POLL_S = 0.05
 
 
-async def _wait_idle(gw: Gateway, deadline: float) -> None:
+def check_draining(server: Any) -> None:
+    """529 + retry for a request arriving while the server drains (a gateway or an upstream front)."""
+    if server.draining:
+        raise APIError(529, "the server is shutting down; retry shortly", retry_after_s=5)
+
+
+async def _wait_idle(gw: Any, deadline: float) -> None:
     while gw.in_flight and time.monotonic() < deadline:
         await asyncio.sleep(POLL_S)
 
 
-async def drain(gw: Gateway, timeout_s: float) -> None:
+async def drain(gw: Any, timeout_s: float) -> None:
+    """gw: what a server's app holds (`draining`, `in_flight`; a gateway's `generations` can be
+    cut, an upstream front's relayed streams are left to uvicorn after the deadline)."""
     gw.draining = True
     running = gw.in_flight
     if running:
@@ -35,7 +44,7 @@ async def drain(gw: Gateway, timeout_s: float) -> None:
     if not gw.in_flight:
         return
     logger.warning("drain deadline of %.0f s reached: cutting %d request(s)", timeout_s, gw.in_flight)
-    for generation in list(gw.generations.values()):
+    for generation in list(getattr(gw, "generations", {}).values()):
         generation.cut()
     await _wait_idle(gw, time.monotonic() + CUT_GRACE_S)
     if gw.in_flight:

@@ -23,6 +23,7 @@ from ikcode.engines.base import (
     SamplingParams,
 )
 from ikcode.gateway.compaction import is_summary_request
+from ikcode.gateway.drain import check_draining
 from ikcode.gateway.edge import check_concurrency, check_max_tokens, check_model, clip, clip_session
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation, release_slot, take_slot
@@ -96,11 +97,6 @@ def check_tool_choice(body: MessagesRequest | CountTokensRequest) -> None:
         raise invalid_request(f"tool_choice.type: '{choice.type}' needs at least one tool in `tools`")
     if choice.type == "tool" and choice.name not in names:
         raise invalid_request(f"tool_choice.name: {clip(choice.name)} is not one of the request's tools")
-
-
-def check_draining(gw: Gateway) -> None:
-    if gw.draining:
-        raise APIError(529, "the server is shutting down; retry shortly", retry_after_s=5)
 
 
 def _render(

@@ -57,7 +57,8 @@ class DrainingServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         for server in self.servers:  # stop accepting first, as uvicorn would
             server.close()
-        gw = getattr(self.app.state, "gateway", None)
+        # The embedded gateway, or an upstream front (which drains its relayed streams alike).
+        gw = getattr(self.app.state, "gateway", None) or getattr(self.app.state, "upstream", None)
         if gw is not None:
             await drain(gw, self.drain_timeout_s())
         await super().shutdown(sockets)

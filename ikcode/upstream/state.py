@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from ikcode.auth import user_session
+from ikcode.gateway.drain import check_draining
 from ikcode.gateway.edge import check_concurrency
 from ikcode.gateway.request_log import RequestLog, now_iso
 from ikcode.gateway.settings import GatewaySettings
@@ -33,6 +34,7 @@ class Upstream:
     admission: UpstreamAdmission | None = None  # None: requests go straight to their replica
     started_at: str = field(default_factory=now_iso)
     salt_key: str = ""  # auth.salt_key(): keys each user's cache_salt (openai_proxy.cache_salt)
+    draining: bool = False  # shutting down: new requests get 529 + retry (gateway.drain)
 
     def settle(self, record: dict) -> None:
         """A request is over (answered, failed or cut): admission frees its place."""
@@ -46,7 +48,9 @@ class Upstream:
 
     def stream_started(self, user: str | None) -> None:
         """One request is in flight from now until stream_ended; 429 first when the server, or
-        this token, has as many as it may (the gateway's limits, the same settings)."""
+        this token, has as many as it may (the gateway's limits, the same settings); 529 while
+        the front drains."""
+        check_draining(self)
         check_concurrency(self.settings, self.in_flight, self.in_flight_by_user, user)
         self.in_flight += 1
         self.in_flight_by_user[user or ""] += 1

@@ -189,3 +189,18 @@ def test_session_memory_is_bounded_by_count_and_idle_time(tmp_path, monkeypatch)
     finally:
         srv.stop()
         replica.stop()
+
+
+def test_the_startup_line_shows_replica_urls_without_credentials():
+    """It goes to server.log and to `ikcode up`'s progress line."""
+    from ikcode.gateway import GatewaySettings
+    from ikcode.profiles import load_profile
+    from ikcode.upstream.profile import upstream_app
+
+    profile = load_profile("vllm")
+    profile = profile.model_copy(
+        update={"upstream": {**profile.upstream, "urls": ["https://bob:hunter2@gpu.example/v1?key=SECRET"]}}
+    )
+    _, what = upstream_app(profile, GatewaySettings(served_model="served-model", context_window=131072))
+    assert "gpu.example/v1" in what
+    assert "hunter2" not in what and "SECRET" not in what and "bob" not in what

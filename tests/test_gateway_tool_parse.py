@@ -148,6 +148,20 @@ def test_reply_builder_stop_sequence_and_multibyte(tokenizer):
     assert builder.content == [{"type": "text", "text": "héllo ✓ wörld "}]
 
 
+def test_a_stop_sequence_found_only_at_finish_ends_the_reply(tokenizer):
+    """The last tokens end in half a character, so the detokenizer holds their text back, stop
+    sequence included, until finish(): the reply is cut there too (done), or its generated ids,
+    text past the stop included, were remembered as the turn the client echoes back."""
+    builder = ReplyBuilder(tokenizer, (), ["STOP"])
+    builder.push(tokenizer.encode("Hi"))
+    half_a_character = tokenizer.encode("é")[:1]  # one byte of two
+    assert tokenizer.decode(half_a_character).endswith("\ufffd")
+    builder.push(tokenizer.encode(" STOP ") + half_a_character)
+    builder.finish()
+    assert builder.stop_sequence == "STOP" and builder.done
+    assert builder.content == [{"type": "text", "text": "Hi "}]
+
+
 @pytest.mark.parametrize(
     "after",
     [" then <tool", ' then <tool_call>\n{"name": "Read", "arguments": {"path": "b.py"'],

@@ -101,6 +101,9 @@ class ReplyBuilder:
                 "" if self._stops.matched else self._stops.flush()
             )
             events += self._emit(self._parser.feed(tail)) if tail else []
+            # A stop sequence in the text held back until now (a broken character at the end):
+            # the reply was cut there too, and its ids hold text the client never got.
+            self.done = self._stops.matched is not None
         if not self.one_call_done:  # after the one call asked for, what the parser holds is not sent
             events += self._emit(self._parser.finish())
         events += self._close_text()

@@ -334,3 +334,22 @@ def test_misses_of_an_earlier_run_in_the_same_log_do_not_fail_this_one(tokenizer
     assert results["silent_miss"].status != FAIL, results["silent_miss"].detail
     assert results["tail"].status != FAIL, results["tail"].detail  # it read the earlier run's too
     assert analyse(earlier)["miss_count"] == 1  # the earlier run's records do hold a miss
+
+
+def test_an_endpoint_that_streams_nothing_does_not_pass_the_gate(tokenizer, tmp_path, project):
+    """Both answers empty compare equal: the gate passed without comparing anything (a reasoning
+    model's 16 tokens of thinking, or a server streaming no text at all)."""
+    from tests.test_gateway_support import ScriptedEngine
+
+    engine = tiny_engine(kv_memory_bytes=4 * 1024 * 1024)
+    scripted = ScriptedEngine(engine, [tokenizer.token_to_id("<|im_end|>")])  # end of turn at once
+    scripted.start()
+    token = auth.load_or_create_token()
+    server = serve(scripted, tokenizer, tmp_path, auth_tokens={"launcher": token})
+    try:
+        gate = doctor(server.url, token, project, only=["quality_gate"])["quality_gate"]
+    finally:
+        server.stop()
+        scripted.shutdown(drain_timeout_s=1)
+    assert gate.status == WARN, (gate.status, gate.detail)
+    assert "streamed nothing" in gate.detail

@@ -20,6 +20,9 @@ class StreamResult:
     status: int
     events: list[dict[str, Any]] = field(default_factory=list)  # decoded `data:` payloads, in order
     text: str = ""
+    # Every delta's payload in order (text, thinking, tool-call JSON): what two answers are
+    # compared by (a reasoning model can spend a short answer on thinking: its text is empty).
+    answer: str = ""
     ttft_s: float | None = None  # request sent -> first content_block_delta
     total_s: float = 0.0
     error: dict[str, Any] | None = None  # the error body (HTTP error or an `error` event)
@@ -105,7 +108,11 @@ class EndpointClient:
                 if kind == "content_block_delta":
                     if result.ttft_s is None:
                         result.ttft_s = time.monotonic() - started
-                    result.text += (event.get("delta") or {}).get("text", "")
+                    delta = event.get("delta") or {}
+                    result.text += delta.get("text", "")
+                    result.answer += "".join(
+                        str(delta.get(key, "")) for key in ("text", "thinking", "partial_json")
+                    )
                 elif kind == "error":
                     result.error = event
         result.total_s = time.monotonic() - started

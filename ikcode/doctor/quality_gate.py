@@ -79,7 +79,8 @@ def ask_twice(ctx: DoctorContext, model: str, target_tokens: int, chars_per_toke
         "passphrase": document.passphrase,
         "cold_answer": cold.text.strip(),
         "warm_answer": warm.text.strip() if warm else None,
-        "match": warm is not None and warm.text == cold.text,
+        "match": warm is not None and warm.answer == cold.answer,
+        "empty": not cold.answer,  # nothing streamed: cold = warm would compare nothing
         "found": document.passphrase in cold.text,
         "cold_hit_rate": hit_rate(cold.usage),
         "warm_hit_rate": hit_rate(warm.usage) if warm else None,
@@ -139,6 +140,15 @@ def check_quality_gate(ctx: DoctorContext) -> CheckResult:
                 f"{size}: cold answer {doc['cold_answer']!r} != warm answer {doc['warm_answer']!r} "
                 "at temperature 0"
             )
+    empty = [d for d in docs if not d["error"] and d["empty"]]
+    if empty:
+        return warned(
+            NAME,
+            f"the model streamed nothing for {len(empty)} of {len(docs)} document(s) (no text, thinking "
+            "or tool call): cold = warm compared two empty answers and proves nothing",
+            "check the served model answers a plain question (doctor asks with max_tokens 16)",
+            **data,
+        )
     first = docs[0]
     # A small model may miss the needle: the gate is that the cold and warm answers are the same.
     needle = "needle found" if first["found"] else "the model missed the needle; what counts is cold = warm"

@@ -81,3 +81,26 @@ def test_silent_miss_reads_an_upstream_fronts_records():
     result = analyse(records)
     assert result["any_hit"] is True and result["miss_count"] == 0, result
     assert result["per_session"]["s"]["hit_rate"] > 0.5
+
+
+def test_tail_counts_the_turns_whose_client_gave_up_waiting(tmp_path, project):
+    """Turns whose client left before a first token are the slowest of all: dropped, the p95 and
+    the verdict read only the fast ones (10 at 0.5 s passed beside 10 that waited a minute)."""
+    answered = [log_record(f"s{i}", 1000, 990, 500) for i in range(10)]
+    gave_up = [
+        {**log_record(f"t{i}", 1000, 990, None), "duration_ms": 60_000, "error": "client disconnected"}
+        for i in range(10)
+    ]
+    log = tmp_path / "requests.jsonl"
+    log.write_text("\n".join(json.dumps(r) for r in answered + gave_up) + "\n")
+    ctx = DoctorContext(
+        profile=load_profile("deepinfer-4xb200"),
+        base_url="http://127.0.0.1:1",
+        token=None,
+        project_dir=project,
+        request_log=log,
+    )
+    result = check_tail(ctx)
+    assert result.status == FAIL, result.detail
+    assert result.data["warm"]["p95_s"] >= 60.0 and result.data["warm"]["gave_up"] == 10
+    assert "10 left before a first token" in result.detail

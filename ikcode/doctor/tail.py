@@ -16,6 +16,7 @@ NAME = "tail"
 RECENT = 2000
 MIN_SAMPLES = 5  # fewer: report, do not judge a p95
 WARM_HIT_RATE = 0.5  # as the gateway's metrics label a request
+GAVE_UP = "client disconnected"  # the request log's error for a client that left (gateway, front)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -26,16 +27,21 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     groups: dict[str, list[float]] = {"warm": [], "cold": []}
+    gave_up: dict[str, int] = {}
     for record in records[-RECENT:]:
-        if record.get("ttft_ms") is None or record.get("error"):
-            continue
         kind = record.get("cache_class") or (
             "warm" if float(record.get("hit_rate") or 0) >= WARM_HIT_RATE else "cold"
         )
-        groups.setdefault(kind, []).append(float(record["ttft_ms"]) / 1000)
+        if record.get("ttft_ms") is not None:  # a first token went out (whatever came after)
+            groups.setdefault(kind, []).append(float(record["ttft_ms"]) / 1000)
+        elif record.get("error") == GAVE_UP and record.get("duration_ms") is not None:
+            # The client left before a first token: the slowest turns of all. It waited at least
+            # this long, so it counts as that (a lower bound) rather than leaving the tail.
+            groups.setdefault(kind, []).append(float(record["duration_ms"]) / 1000)
+            gave_up[kind] = gave_up.get(kind, 0) + 1
     out: dict[str, Any] = {}
     for kind, values in groups.items():
-        out[kind] = {"count": len(values)}
+        out[kind] = {"count": len(values), "gave_up": gave_up.get(kind, 0)}
         if values:
             out[kind].update(
                 p50_s=round(percentile(values, 0.5), 3), p95_s=round(percentile(values, 0.95), 3)
@@ -52,7 +58,9 @@ def check_tail(ctx: DoctorContext) -> CheckResult:
     summary = summarize(records)
     data = {"ttft_bound_s": bound, **summary}
     parts = [
-        f"{kind} p50 {s['p50_s']:.2f} s / p95 {s['p95_s']:.2f} s (n={s['count']})"
+        f"{kind} p50 {s['p50_s']:.2f} s / p95 {s['p95_s']:.2f} s (n={s['count']}"
+        + (f", {s['gave_up']} left before a first token" if s["gave_up"] else "")
+        + ")"
         for kind, s in summary.items() if s["count"]
     ]  # fmt: skip
     if not parts:

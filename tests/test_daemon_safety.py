@@ -97,3 +97,44 @@ def test_adding_a_name_twice_is_refused_and_the_first_token_stays():
     again = ikcode("token", "--add", "bob")
     assert again.returncode != 0 and "exists" in again.stderr and "--revoke bob" in again.stderr
     assert auth.team_tokens() == {"bob": token}
+
+
+def test_claude_does_not_hand_its_token_to_a_server_it_did_not_start(tmp_path):
+    """On a shared machine the profile's port may be another user's ikcode, or any program: it
+    answered /health, so the launcher sent it this user's token and the session's prompts."""
+    import http.server
+    import os
+    import shutil
+    import threading
+
+    from tests.serving import local_profile
+
+    seen: list[str] = []
+
+    class Squatter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            seen.append(self.headers.get("authorization", "") + self.headers.get("x-api-key", ""))
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        do_POST = do_GET  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    port = free_port()
+    squatter = http.server.ThreadingHTTPServer(("127.0.0.1", port), Squatter)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        env = dict(os.environ, IKCODE_CLAUDE_BIN=shutil.which("true") or "/bin/true")
+        profile = str(local_profile(tmp_path, port))
+        launched = ikcode("claude", "--profile", profile, "--", "-p", "hi", env=env)
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+    assert launched.returncode != 0
+    assert "something other than this user's ikcode answers" in launched.stderr
+    token = auth.load_or_create_token()
+    assert not any(token in header for header in seen)

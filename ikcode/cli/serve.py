@@ -72,6 +72,14 @@ def _ensure_stack(profile: Profile, asked_for: bool) -> str:
         )
 
     if daemon.health(profile.base_url) is not None:
+        # Only a server this user started (its state file, its process) gets the launcher's
+        # token and the session's prompts: on a shared machine the port may be another user's
+        # ikcode, or any program.
+        if running is None or running.port != profile.endpoint.port:
+            raise daemon.DaemonError(
+                f"something other than this user's ikcode answers at {profile.base_url}: stop it, or "
+                f"serve on another port (`ikcode up --port N`, then `ikcode claude`)"
+            )
         if asked_for and other and running.url == profile.base_url:
             raise serving_another()
         return profile.base_url

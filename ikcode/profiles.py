@@ -35,7 +35,8 @@ class _Section(BaseModel):
 
 
 class Endpoint(_Section):
-    host: str = "127.0.0.1"
+    # Not empty: "" binds every address and gives no URL to reach it by (say 0.0.0.0 for that).
+    host: str = Field("127.0.0.1", min_length=1)
     port: int = Field(8741, ge=1, le=65535)
     path_prefix: str = ""
 

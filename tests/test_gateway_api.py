@@ -87,6 +87,8 @@ def test_models_health_prefix_and_beta(server, client):
     assert httpx.head(server.url + "/").status_code == 200
     assert httpx.head(server.url + "/some/prefix/").status_code == 200
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    # A profile's path_prefix: `ikcode up` waits on {base_url}/health (it waited 600 s on a 404).
+    assert httpx.get(server.url + "/some/prefix/health").json()["status"] == "ok"
     prefixed = anthropic.Anthropic(base_url=server.url + "/some/prefix", api_key=TOKENS["bob"], max_retries=0)
     reply = prefixed.beta.messages.create(
         model="tiny",

@@ -105,3 +105,15 @@ def test_a_server_bound_to_every_address_is_reached_on_loopback():
         endpoint = profile.endpoint.model_copy(update={"host": bound})
         url = profile.model_copy(update={"endpoint": endpoint}).base_url
         assert url == f"http://{reached}:{profile.endpoint.port}", url
+
+
+def test_an_empty_host_is_refused(tmp_path):
+    """It bound every address and gave the URL http://:8741, which nothing can reach: `ikcode up`
+    waited its 600 s for a health answer."""
+    path = tmp_path / "p.toml"
+    path.write_text(
+        'engine = "embedded"\nserved_model = "m"\ncontext_window = 4096\nmax_output_tokens = 10\n'
+        '[endpoint]\nhost = ""\n'
+    )
+    with pytest.raises(ProfileError, match="endpoint.host"):
+        load_profile(str(path))

@@ -26,6 +26,9 @@ from ikcode.gateway.sse import OUTCOME_KEY
 
 CLIENT_CLOSED = 499  # the status logged for a request whose client left before its answer
 KNOWN_ROUTES = ("/v1/messages", "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics", "/")
+# Routes outside /v1/ that a base URL with a path prefix also reaches (`ikcode up` waits on
+# {base_url}/health).
+ROOT_ROUTES = ("/health", "/metrics")
 
 
 class EdgeState(Protocol):
@@ -48,6 +51,8 @@ class EdgeMiddleware:
         path = scope["path"]
         if not path.startswith("/v1/") and "/v1/" in path:  # http://host/prefix/v1/messages
             path = path[path.index("/v1/") :]
+        elif path.endswith(ROOT_ROUTES) and path not in ROOT_ROUTES:  # http://host/prefix/health
+            path = path[path.rindex("/") :]
         elif scope["method"] == "HEAD" and "/v1/" not in path:  # HEAD {ANTHROPIC_BASE_URL}
             path = "/"
         if len(path) > 1 and path.endswith("/"):  # a base URL with a trailing slash

@@ -11,6 +11,7 @@ import hmac
 import ipaddress
 import os
 import secrets
+import tempfile
 import uuid
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -24,25 +25,50 @@ def token_path() -> Path:
     return paths.state_dir() / "token"
 
 
-def _write_private(path: Path, text: str) -> None:
+def _private_temp(path: Path, text: str) -> Path:
+    """A new 0600 file beside path holding text (complete before anyone can see it at path)."""
     paths.ensure(path.parent)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
-    os.chmod(path, 0o600)  # in case the file existed with wider permissions
+    return Path(name)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace path with text, mode 0600, atomically: a reader sees the old file or the new one,
+    never an empty one (which it would take for no token and replace with its own)."""
+    temp = _private_temp(path, text)
+    try:
+        os.replace(temp, path)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def load_or_create_token(path: Path | None = None) -> str:
+    """The token at path, created on first use. Two processes starting at once (a launcher and
+    the server it starts) end up with the same one: the file is created complete or not at all
+    (a hard link of a written file), and the one that loses reads the winner's."""
     path = path or token_path()
-    if path.is_file():
-        token = path.read_text(encoding="utf-8").strip()
-        if token:
-            if path.stat().st_mode & 0o077:
-                os.chmod(path, 0o600)
-            return token
-    token = TOKEN_PREFIX + secrets.token_urlsafe(32)
-    _write_private(path, token + "\n")
-    return token
+    for _ in range(3):
+        if path.is_file():
+            token = path.read_text(encoding="utf-8").strip()
+            if token:
+                if path.stat().st_mode & 0o077:
+                    os.chmod(path, 0o600)
+                return token
+            _write_private(path, TOKEN_PREFIX + secrets.token_urlsafe(32) + "\n")  # an empty file
+            continue
+        temp = _private_temp(path, TOKEN_PREFIX + secrets.token_urlsafe(32) + "\n")
+        try:
+            os.link(temp, path)  # fails if another process created it first: then read theirs
+        except FileExistsError:
+            continue
+        except OSError:  # a file system without hard links: a plain create, never over another's
+            if not path.exists():
+                os.replace(temp, path)
+        finally:
+            temp.unlink(missing_ok=True)
+    return path.read_text(encoding="utf-8").strip()
 
 
 def salt_key() -> str:

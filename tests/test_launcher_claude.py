@@ -177,8 +177,9 @@ def test_a_named_profile_is_not_served_by_another_profiles_server(monkeypatch):
     with pytest.raises(daemon.DaemonError, match="serving profile 'local'.*not 'llamacpp'"):
         ensure_stack(wanted, asked_for=True)
     assert ensure_stack(wanted) == wanted.base_url  # no profile named: whatever serves there
-    monkeypatch.setattr(daemon, "read_state", lambda: None)  # not ours: nothing to compare
-    assert ensure_stack(wanted, asked_for=True) == wanted.base_url
+    monkeypatch.setattr(daemon, "read_state", lambda: None)  # not ours: not handed our token
+    with pytest.raises(daemon.DaemonError, match="something other than this user's ikcode"):
+        ensure_stack(wanted, asked_for=True)
     # The other profile's server at its own URL, nothing at the one asked for: not used either.
     elsewhere = "http://127.0.0.1:18930"
     running = daemon.ServerState(1, "127.0.0.1", 18930, elsewhere, "local", "log", 0.0)

@@ -183,9 +183,12 @@ def load_profile(name_or_path: str | None = None) -> Profile:
     """A profile by name (user dir first, then shipped) or by path to a TOML file."""
     ref = name_or_path or DEFAULT_PROFILE
     candidate = Path(ref).expanduser()
-    if ref.endswith(".toml") or candidate.is_file() or "/" in ref:
+    if ref.endswith(".toml") or "/" in ref:
         return load_profile_file(candidate)
     known = list_profiles()
+    if ref not in known and candidate.is_file():  # a file named without .toml, not a profile's name
+        return load_profile_file(candidate)
+    # A name first: a file called `local` in the directory a command runs in is not the profile.
     if ref not in known:
         names = ", ".join(sorted(known)) or "(none)"
         raise ProfileError(f"unknown profile {ref!r}; known profiles: {names}")

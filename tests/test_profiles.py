@@ -117,3 +117,11 @@ def test_an_empty_host_is_refused(tmp_path):
     )
     with pytest.raises(ProfileError, match="endpoint.host"):
         load_profile(str(path))
+
+
+def test_a_file_named_like_a_profile_in_the_working_directory_is_not_it(tmp_path, monkeypatch):
+    """A script called `local` beside the user made a plain `ikcode up` fail with "invalid TOML"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "local").write_text("#!/bin/sh\necho hi\n")
+    assert load_profile("local").engine == "embedded"
+    assert load_profile().name == "local"

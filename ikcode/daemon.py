@@ -309,12 +309,23 @@ def stop(timeout_s: float = 60.0) -> ServerState | None:
     if state is None:
         return None
     write_drain_timeout(timeout_s)
-    os.kill(state.pid, signal.SIGTERM)
-    # The server drains for timeout_s, then answers what is left: a little grace before SIGKILL.
-    deadline = time.monotonic() + timeout_s + STOP_GRACE_S
-    while time.monotonic() < deadline and is_our_server(state):
-        time.sleep(0.1)
-    if is_our_server(state):  # checked again: never SIGKILL a pid that has been reused meanwhile
-        os.kill(state.pid, signal.SIGKILL)
+    # The server may exit between any check and a signal (it was stopping already): that is done.
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(state.pid, signal.SIGTERM)
+        # The server drains for timeout_s, then answers what is left: a little grace before SIGKILL.
+        deadline = time.monotonic() + timeout_s + STOP_GRACE_S
+        while time.monotonic() < deadline and is_our_server(state):
+            time.sleep(0.1)
+        if is_our_server(state):  # checked again: never SIGKILL a pid that has been reused meanwhile
+            _kill_hard(state.pid)
     clear_state(state.pid)
     return state
+
+
+def _kill_hard(pid: int) -> None:
+    """SIGKILL the server, and its process group when it leads one (`ikcode up` starts it in a
+    session of its own, with the engine's worker processes in it: they would keep the GPUs)."""
+    if os.getpgid(pid) == pid:
+        os.killpg(pid, signal.SIGKILL)
+    else:  # `ikcode up --foreground` in a terminal: its group is the shell's
+        os.kill(pid, signal.SIGKILL)

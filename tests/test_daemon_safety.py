@@ -3,6 +3,9 @@ a bind failure says what is wrong, `--host` reaches the background child, token 
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -138,3 +141,42 @@ def test_claude_does_not_hand_its_token_to_a_server_it_did_not_start(tmp_path):
     assert "something other than this user's ikcode answers" in launched.stderr
     token = auth.load_or_create_token()
     assert not any(token in header for header in seen)
+
+
+def test_down_when_the_server_exits_on_its_own_meanwhile(monkeypatch, stranger):
+    """`ikcode down` raced the server's own exit (at the SIGKILL deadline, or a server already
+    stopping): os.kill raised ProcessLookupError and down ended in a traceback."""
+    stranger.kill()
+    stranger.wait(10)
+    state = _state_for(stranger.pid, None)
+    monkeypatch.setattr(daemon, "read_state", lambda clean_stale=True: state)
+    monkeypatch.setattr(daemon, "is_our_server", lambda s: True)
+    assert daemon.stop(timeout_s=0) is state
+
+
+def test_down_kills_the_servers_whole_group_when_it_will_not_stop(monkeypatch):
+    """A server that ignores SIGTERM past the deadline is killed with the processes it started
+    (an engine's workers would keep the GPUs): it leads its own session, as `ikcode up` starts it."""
+    script = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "worker = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        "print(worker.pid, flush=True); time.sleep(120)"
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    worker = int(server.stdout.readline())
+    state = _state_for(server.pid, None)
+    monkeypatch.setattr(daemon, "read_state", lambda clean_stale=True: state)
+    monkeypatch.setattr(daemon, "is_our_server", lambda s: server.poll() is None)
+    monkeypatch.setattr(daemon, "STOP_GRACE_S", 0.5)
+    try:
+        daemon.stop(timeout_s=0)
+        server.wait(10)
+        deadline = time.monotonic() + 10
+        while daemon.pid_alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not daemon.pid_alive(worker)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)

@@ -16,7 +16,7 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 300) for _ in range(n)]
 
 
-def _request(rid: str, prompt: list[int], session: str, max_tokens: int = 4) -> EngineRequest:
+def _request(rid: str, prompt: list[int], session: str | None, max_tokens: int = 4) -> EngineRequest:
     return EngineRequest(
         rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), session_id=session
     )
@@ -107,6 +107,29 @@ def test_only_new_cold_work_that_cannot_start_is_shed(engine):
     assert final.error is None
     assert final.stats.cached_tokens >= 1400
     assert controller.stats()["queue_wait"]["cold"]["shed"] == 1
+    assert_pool_clean(engine)
+    controller.shutdown(5)
+
+
+def test_a_request_without_a_session_id_is_shed_once_too(engine):
+    """Without a session id nothing said its retry was one: under sustained cold load it was shed
+    on every try (the SDK gives up after its retries). The same user and prompt is the same
+    request: deferred once, then queued."""
+    config = AdmissionConfig(
+        policy="ikcode", cold_threshold_tokens=64, max_cold_prefills=1, ttft_bound_s=0.001,
+        prefill_tokens_per_s=1000.0,
+    )  # fmt: skip
+    controller = AdmissionController(engine, config)
+    controller.start()
+    running = controller.submit(_request("first-cold", _prompt(4, 1500), "s-first", max_tokens=64))
+    with pytest.raises(EngineOverloaded):
+        controller.submit(_request("anonymous", _prompt(5, 1500), None))
+    retry = controller.submit(_request("anonymous-retry", _prompt(5, 1500), None))  # queued, not shed
+    with pytest.raises(EngineOverloaded):  # another prompt is another request: shed as new
+        controller.submit(_request("other", _prompt(6, 1500), None))
+    assert running.collect(60)[1].error is None
+    assert retry.collect(60)[1].error is None
+    assert controller.stats()["queue_wait"]["cold"]["shed"] == 2
     assert_pool_clean(engine)
     controller.shutdown(5)
 

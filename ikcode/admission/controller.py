@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import threading
 import time
+from array import array
 from collections.abc import Callable
+from hashlib import blake2b
 from typing import Any
 
 from ikcode.engines.base import (
@@ -104,7 +106,9 @@ class AdmissionController:
             if self._stopping:  # shutdown already failed the queue: nobody would end this stream
                 raise EngineShutdown()
             now = self.clock()
-            ticket = self.policy.make_ticket(request.request_id, lookup, now, request.session_id, request)
+            ticket = self.policy.make_ticket(
+                request.request_id, lookup, now, request.session_id, request, retry_key(request)
+            )
             self.policy.offer(ticket, now)  # may raise EngineOverloaded: nothing was queued
             self._streams[request.request_id] = stream
             self._cv.notify_all()
@@ -253,3 +257,13 @@ class AdmissionController:
             with self._cv:
                 self.policy.on_done(event.request_id, self.clock())
                 self._cv.notify_all()
+
+
+def retry_key(request: EngineRequest) -> str | None:
+    """A request without a session id, known again when it is retried: its user's cache salt and
+    its whole prompt (a client that retries a 529 sends the same request). None with a session id."""
+    if request.session_id:
+        return None
+    digest = blake2b(request.cache_salt.encode(), digest_size=16)
+    digest.update(array("q", request.prompt_token_ids).tobytes())
+    return "prompt:" + digest.hexdigest()

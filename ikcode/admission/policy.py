@@ -54,6 +54,7 @@ class Ticket:
     new_session: bool = False  # its session holds no slot (admission.sessions)
     needs_slot: bool = False  # a new session that found no slot free: it waits for one
     payload: Any = None  # what the caller needs to submit it (EngineRequest, simulated request)
+    retry_key: str | None = None  # without a session id: its identity across retries (make_ticket)
 
     def aged(self, now: float, aging_s: float) -> bool:
         return self.cls is RequestClass.COLD and now - self.arrived_at >= aging_s
@@ -100,8 +101,12 @@ class AdmissionPolicy:
         now: float,
         session_id: str | None = None,
         payload: Any = None,
+        retry_key: str | None = None,
     ) -> Ticket:
-        seen = self._sessions.get(session_id) if session_id else None
+        """retry_key: who a request without a session id is (its user and whole prompt), so that
+        its retry is known as one: deferred once, like a session, not shed on every try."""
+        key = session_id or retry_key
+        seen = self._sessions.get(key) if key else None
         running = seen is not None and now - seen <= self.config.session_memory_s
         return Ticket(
             request_id=request_id,
@@ -112,6 +117,7 @@ class AdmissionPolicy:
             session_id=session_id,
             running_session=running,
             payload=payload,
+            retry_key=None if session_id else retry_key,
         )
 
     def offer(self, ticket: Ticket, now: float) -> None:
@@ -158,10 +164,10 @@ class AdmissionPolicy:
 
     def _defer(self, ticket: Ticket, now: float) -> None:
         self.waits[ticket.cls].shed += 1
-        if ticket.session_id:
+        if key := ticket.session_id or ticket.retry_key:
             # Deferred once: its retry is queued, not shed again, so shedding spreads a
             # burst of new sessions over time without ever failing one.
-            self._saw(ticket.session_id, now)
+            self._saw(key, now)
 
     def _saw(self, session_id: str, now: float) -> None:
         self._sessions[session_id] = now

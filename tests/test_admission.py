@@ -177,3 +177,37 @@ def test_memory_gate_is_per_rank_a_full_card_does_not_hold_back_the_other():
     server.step(float("inf"))
     assert other.rank not in (-1, first.rank)  # admitted on the other card
     assert held.rank == -1 and [t.request_id for t in server.policy.queue] == ["held"]
+
+
+class _EvictingGate:
+    """One rank whose memory takes nothing until `room`; the engine's cache no longer holds
+    anything (evicted)."""
+
+    def __init__(self):
+        self.room = False
+        self.looked_up: list[str] = []
+
+    def place(self, ticket):
+        return 0
+
+    def fits(self, ticket):
+        return self.room
+
+    def uncached(self, ticket):
+        self.looked_up.append(ticket.request_id)
+        return ticket.prompt_tokens
+
+
+def test_a_warm_turn_evicted_while_queued_enters_as_cold_under_the_cap():
+    """Classified at arrival only, a warm turn whose prefix was evicted while it waited (for
+    memory) was admitted as warm: a full cold prefill outside the cold cap."""
+    policy = AdmissionPolicy(AdmissionConfig(max_cold_prefills=1, shed=False))
+    offer(policy, "c0", COLD, 0.0)
+    assert [t.request_id for t in policy.admit(0.0)] == ["c0"]  # the one cold slot is taken
+    offer(policy, "w0", WARM, 0.1)
+    gate = _EvictingGate()
+    assert policy.admit(0.5, gate) == [] and gate.looked_up == []  # held for memory; too soon to look
+    gate.room = True
+    assert policy.admit(2.0, gate) == []  # looked up again: cold now, and the cold slot is taken
+    assert gate.looked_up == ["w0"] and policy.queue[0].cls is RequestClass.COLD
+    assert policy.admit(2.5, gate) == [] and gate.looked_up == ["w0"]  # not looked up every round

@@ -238,3 +238,22 @@ def test_memory_gate_counts_tickets_handed_to_the_engine_in_an_earlier_round():
     finally:
         controller.shutdown(5)
         engine.shutdown(5)
+
+
+def test_the_gate_looks_a_queued_ticket_up_in_the_engine_again(engine):
+    from ikcode.admission.gate import RankGate
+    from ikcode.admission.policy import RequestClass, Ticket
+
+    engine.start()
+    base = _prompt(0, 600)
+    assert engine.submit(_request("prime", base, "s")).collect(60)[1].error is None
+    deadline = time.monotonic() + 10  # its blocks are committed when the engine releases it
+    while engine.lookup(base).uncached_tokens > 16 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    gate = RankGate(engine)
+
+    def ticket(prompt):
+        return Ticket("t", len(prompt), 0, 0.0, RequestClass.WARM, payload=_request("t", prompt, "s"))
+
+    assert gate.uncached(ticket(base + _prompt(3, 20))) <= 40  # the cached prefix counts
+    assert gate.uncached(ticket(_prompt(9, 600))) == 600

@@ -49,6 +49,14 @@ class RankGate:
         self._needs[ticket.request_id] = where.kv_blocks
         return where.rank
 
+    def uncached(self, ticket: Ticket) -> int | None:
+        """Tokens the engine would compute for the ticket now (its cache looked up again)."""
+        request = ticket.payload
+        lookup = getattr(self.engine, "lookup", None)
+        if request is None or not callable(lookup) or not hasattr(request, "prompt_token_ids"):
+            return None
+        return lookup(request.prompt_token_ids, request.cache_salt, request.block_hashes).uncached_tokens
+
     def blocks_for(self, ticket: Ticket) -> int:
         """The blocks ticket's allocation takes on its rank (after `place`)."""
         return self._needs.get(ticket.request_id, 0)

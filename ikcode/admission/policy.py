@@ -55,17 +55,26 @@ class Ticket:
     needs_slot: bool = False  # a new session that found no slot free: it waits for one
     payload: Any = None  # what the caller needs to submit it (EngineRequest, simulated request)
     retry_key: str | None = None  # without a session id: its identity across retries (make_ticket)
+    looked_up_at: float | None = None  # when uncached_tokens was read (None: at arrival)
 
     def aged(self, now: float, aging_s: float) -> bool:
         return self.cls is RequestClass.COLD and now - self.arrived_at >= aging_s
 
 
 class Gate(Protocol):
-    """Where a ticket would run and whether it fits there now (admission.gate.RankGate)."""
+    """Where a ticket would run and whether it fits there now (admission.gate.RankGate). A gate
+    may also say how many of a ticket's tokens the engine would compute now (`uncached`, None:
+    unknown): a warm ticket that waited is classified again (`admit`)."""
 
     def place(self, ticket: Ticket) -> int: ...
 
     def fits(self, ticket: Ticket) -> bool: ...
+
+
+# A warm ticket queued this long is looked up again before it is admitted, and again each time
+# this much longer: its prefix may have been evicted meanwhile (by the cold work admitted ahead of
+# it), and admitted as warm it would prefill outside the cold cap.
+RECHECK_WARM_S = 1.0
 
 
 class AdmissionPolicy:
@@ -261,6 +270,8 @@ class AdmissionPolicy:
             r = gate.place(t) if gate is not None else 0
             if r in held:
                 continue
+            if not self.fifo and t.cls is RequestClass.WARM:
+                self._recheck_warm(t, now, gate)
             if not self.fifo and t.cls is RequestClass.COLD and cold_on[r] >= self.config.max_cold_prefills:
                 continue  # the cap; aged cold still waits for a cold slot on its rank
             if gate is not None and not gate.fits(t):
@@ -284,6 +295,19 @@ class AdmissionPolicy:
                 self.slots.num_waited += t.needs_slot
                 t.new_session = t.needs_slot = False
         return out
+
+    def _recheck_warm(self, t: Ticket, now: float, gate: Gate | None) -> None:
+        """Classify a warm ticket that waited again, from what the engine holds now."""
+        uncached = getattr(gate, "uncached", None)
+        since = t.arrived_at if t.looked_up_at is None else t.looked_up_at
+        if not callable(uncached) or now - since < RECHECK_WARM_S:
+            return
+        t.looked_up_at = now
+        fresh = uncached(t)
+        if fresh is not None:
+            t.uncached_tokens = fresh
+            if fresh > self.config.cold_threshold_tokens:
+                t.cls = RequestClass.COLD  # it goes under the cold cap like any cold prefill
 
     def next_change_s(self, now: float) -> float | None:
         """Seconds until a session waiting for a slot may get one with nothing else happening (an

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -82,3 +83,17 @@ def test_plan_and_simulator_agree_on_the_compute_limit():
 def test_plan_refuses_an_empty_conversation_instead_of_dividing_by_zero():
     with pytest.raises(ValueError, match="context_tokens"):
         plan(HardwareModel(), 0, 10)
+
+
+def test_plan_prints_the_profiles_own_watermark(tmp_path):
+    from ikcode.profiles import load_profile
+
+    text = Path(load_profile("deepinfer-4xb200").source).read_text()
+    assert "prefill_watermark = 0.9\n" in text
+    profile = tmp_path / "cards.toml"
+    profile.write_text(text.replace("prefill_watermark = 0.9\n", "prefill_watermark = 0.8\n"))
+    out = CliRunner().invoke(
+        main, ["plan", "--profile", str(profile), "--context", "500000", "--agents", "20"]
+    )
+    assert out.exit_code == 0, out.output
+    assert "under the 80% watermark" in out.output

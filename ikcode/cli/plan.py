@@ -84,7 +84,7 @@ def plan_command(profile_name: str, context_tokens: int, agents: int, check: boo
     )
     console.print(
         f"  KV per card                 {result['kv_tokens_per_card'] / 1e6:.2f}M tokens, "
-        f"{result['usable_kv_tokens_per_card'] / 1e6:.2f}M under the 90% watermark"
+        f"{result['usable_kv_tokens_per_card'] / 1e6:.2f}M under the {hw.prefill_watermark:.0%} watermark"
     )
     console.print(
         f"  every session resident      at most {result['max_agents_resident']} agents "

@@ -315,6 +315,8 @@ def test_the_warm_hit_wanted_allows_two_blocks_of_a_short_document():
     assert min_warm_hit(2400, 16) == MIN_WARM_HIT  # the embedded engine's blocks: 95% as before
     assert abs(min_warm_hit(2654, UNKNOWN_BLOCK_SIZE) - (1 - 256 / 2654)) < 1e-9  # a front over DeepInfer
     assert min_warm_hit(64_000, 128) == MIN_WARM_HIT
+    # A small window with big blocks: never below half (it went to 0.0 at 256 tokens, and under).
+    assert min_warm_hit(256, 128) == min_warm_hit(200, 128) == 0.5
 
 
 def test_misses_of_an_earlier_run_in_the_same_log_do_not_fail_this_one(tokenizer, tmp_path, project):

@@ -177,6 +177,8 @@ def bench_command(**opts: Any) -> None:
     ):
         if opts[key] is not None:
             fields[key] = opts[key]
+    if not simulate and opts["ramp_s"] is None:  # a short run still starts every agent in it
+        fields["ramp_s"] = min(fields["ramp_s"], fields["duration_s"] / 2)
     workload = AgentsWorkload(seed=opts["seed"], **fields)
 
     def progress(t: float, done: int) -> None:

@@ -125,7 +125,14 @@ def team_tokens() -> dict[str, str]:
             raise ValueError("not a JSON object")
     except ValueError as err:
         raise ValueError(f"{path} is not a token file ({err}): fix it or remove it") from None
-    return {str(name): str(token) for name, token in data.items()}
+    for name, token in data.items():
+        # A hand-edited null became the token "None", which anyone could send; a short one guessed.
+        if not isinstance(token, str) or len(token.strip()) < MIN_TEAM_TOKEN_CHARS:
+            raise ValueError(
+                f"{path}: the token of {str(name)[:MAX_TOKEN_NAME_CHARS]!r} is not a string of at least "
+                f"{MIN_TEAM_TOKEN_CHARS} characters: `ikcode token --add NAME` makes one"
+            )
+    return {str(name): token.strip() for name, token in data.items()}
 
 
 def _save_team_tokens(tokens: dict[str, str]) -> None:
@@ -135,6 +142,7 @@ def _save_team_tokens(tokens: dict[str, str]) -> None:
 
 
 MAX_TOKEN_NAME_CHARS = 64
+MIN_TEAM_TOKEN_CHARS = 16
 OWNER = "launcher"  # the name of the server's own token: the one that sees every user's figures
 
 

@@ -191,6 +191,10 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
     problem = daemon.bind_problem(host, port)
     if problem is not None:
         raise daemon.DaemonError(problem)
+    try:  # what the gateway will need, checked before minutes of model loading, not after
+        gateway_settings(profile, host, profile.context_window)
+    except ValueError as err:
+        raise daemon.DaemonError(str(err)) from None
     url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
     daemon.write_state(
         daemon.ServerState(

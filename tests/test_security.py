@@ -292,3 +292,21 @@ def test_the_servers_own_token_sees_every_users_figures():
     finally:
         background.stop()
         engine.shutdown(drain_timeout_s=1)
+
+
+@pytest.mark.parametrize("token", [None, "", "short", 12345])
+def test_a_team_token_that_is_not_a_real_secret_is_refused_before_the_model_loads(token, tmp_path):
+    """A hand-edited null in tokens.json became the token "None", which anyone could send; the
+    file was read only after the model had loaded, and a bad one ended in a traceback."""
+    import json
+
+    from ikcode import auth
+    from tests.serving import free_port, ikcode, local_profile
+
+    auth.team_tokens_path().parent.mkdir(parents=True, exist_ok=True)
+    auth.team_tokens_path().write_text(json.dumps({"bob": token}))
+    with pytest.raises(ValueError, match="'bob' is not a string of at least 16"):
+        auth.team_tokens()
+    started = ikcode("up", "--foreground", "--profile", str(local_profile(tmp_path, free_port())), timeout=60)
+    assert started.returncode != 0
+    assert "'bob' is not a string of at least 16" in started.stderr and "Traceback" not in started.stderr

@@ -180,3 +180,14 @@ def test_down_kills_the_servers_whole_group_when_it_will_not_stop(monkeypatch):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_up_waits_as_long_as_a_deepinfer_profiles_ranks_may_load():
+    """`ikcode up` stopped the server at a fixed 10 minutes while its ranks were still within the
+    profile's own rank_start_timeout_s."""
+    from ikcode.cli.serve import start_timeout_s
+
+    assert start_timeout_s(load_profile("local")) == 600.0
+    deepinfer = load_profile("deepinfer-4xb200")
+    slow = deepinfer.model_copy(update={"deepinfer": {**deepinfer.deepinfer, "rank_start_timeout_s": 1800}})
+    assert start_timeout_s(slow) == 1920.0

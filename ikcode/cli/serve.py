@@ -19,6 +19,9 @@ def _port_for(profile: Profile, port: int | None) -> int:
     return port if port is not None else profile.endpoint.port
 
 
+DEFAULT_START_TIMEOUT_S = 600.0
+
+
 def start_stack(profile: Profile, port: int | None = None, model: str | None = None) -> daemon.ServerState:
     """Start the stack in the background and wait until it is healthy, showing progress."""
     port = _port_for(profile, port)
@@ -36,8 +39,20 @@ def start_stack(profile: Profile, port: int | None = None, model: str | None = N
                 status.update(f"starting ikcode ({profile.name}): {line[-100:]}")
 
         return daemon.start_background(
-            args, profile.endpoint.host, port, url, profile.name, on_progress=progress
+            args, profile.endpoint.host, port, url, profile.name, start_timeout_s(profile), progress
         )
+
+
+def start_timeout_s(profile: Profile) -> float:
+    """How long `ikcode up` waits for the server to answer: 10 minutes, or a DeepInfer profile's
+    own rank start timeout and two minutes more (its ranks may load for longer, and the server
+    was stopped at 10 minutes while they were still within theirs)."""
+    if profile.engine != "deepinfer":
+        return DEFAULT_START_TIMEOUT_S
+    from ikcode.engines.deepinfer.config import DeepInferConfig
+
+    ranks_s = float(profile.deepinfer.get("rank_start_timeout_s") or DeepInferConfig.rank_start_timeout_s)
+    return max(DEFAULT_START_TIMEOUT_S, ranks_s + 120.0)
 
 
 def ensure_stack(profile: Profile, asked_for: bool = False) -> str:

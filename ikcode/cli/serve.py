@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 import click
 import httpx
@@ -209,12 +211,44 @@ def logs_command(follow: bool, lines: int, requests: bool) -> None:
     path: Path = daemon.request_log_file() if requests else daemon.log_file()
     if not path.exists():
         raise click.ClickException(f"no log yet at {path}")
-    with path.open("r", errors="replace") as handle:
-        for line in handle.readlines()[-lines:] if lines else []:
-            click.echo(line, nl=False)
+    handle = path.open("rb")
+    try:
+        click.echo(last_lines(handle, lines).decode(errors="replace"), nl=False)
+        handle.seek(0, os.SEEK_END)
         while follow:
             line = handle.readline()
             if line:
-                click.echo(line, nl=False)
-            else:
-                time.sleep(0.25)
+                click.echo(line.decode(errors="replace"), nl=False)
+                continue
+            if _replaced(path, handle):  # rotated (server.log.1, requests.jsonl.1): the new file
+                handle.close()
+                handle = path.open("rb")
+                continue
+            time.sleep(0.25)
+    finally:
+        handle.close()
+
+
+def last_lines(handle: BinaryIO, count: int, chunk: int = 65536) -> bytes:
+    """The last `count` lines of a file, read backwards from its end (a log can be 64 MB)."""
+    if count <= 0:
+        return b""
+    end = handle.seek(0, os.SEEK_END)
+    data, position = b"", end
+    while position > 0 and data.count(b"\n") <= count:
+        step = min(chunk, position)
+        position -= step
+        handle.seek(position)
+        data = handle.read(step) + data
+    lines = data.splitlines(keepends=True)
+    return b"".join(lines[-count:])
+
+
+def _replaced(path: Path, handle: BinaryIO) -> bool:
+    """Whether the file at path is no longer the one open (moved aside, or truncated)."""
+    try:
+        now = path.stat()
+    except FileNotFoundError:
+        return False  # between the move and the new file: look again
+    opened = os.fstat(handle.fileno())
+    return (now.st_ino, now.st_dev) != (opened.st_ino, opened.st_dev) or now.st_size < handle.tell()

@@ -209,17 +209,17 @@ class Scheduler:
             )
 
         try:
-            try:
-                alloc = allocate(hashes)
-            except OutOfBlocks:
-                raise
-            except Exception:  # a failed promotion from the host tier, rolled back
-                # Computed instead: the host copy of the prefix stays, and a copy that keeps
-                # failing must not fail every later turn of this conversation with it.
-                logger.exception("promoting %s's prefix failed; computing it instead", seq.seq_id)
-                alloc = allocate(hashes[: self.cache.match(hashes).device_blocks])
+            alloc = allocate(hashes)
         except OutOfBlocks:
             return False
+        except Exception:  # a failed promotion from the host tier, rolled back
+            # Computed instead: the host copy of the prefix stays, and a copy that keeps
+            # failing must not fail every later turn of this conversation with it.
+            logger.exception("promoting %s's prefix failed; computing it instead", seq.seq_id)
+            try:
+                alloc = allocate(hashes[: self.cache.match(hashes).device_blocks])
+            except OutOfBlocks:
+                return False
         seq.block_table = list(alloc.block_table)
         cached_dev = alloc.cached_blocks_device * self.block_size
         cached_host = alloc.cached_blocks_host * self.block_size

@@ -111,19 +111,13 @@ def test_retry_after_is_capped_at_60_seconds():
     assert err.value.retry_after_s == 60
 
 
-def test_plan_prefill_gives_cold_its_share_under_warm_stream():
-    policy = AdmissionPolicy(AdmissionConfig(cold_share=0.25))
-    cold = offer(policy, "c", COLD, 0.0)
-    policy.admit(0.0)
-    cold_time = warm_steps = 0.0
-    for step in range(400):
-        warm = policy.make_ticket(f"w{step}", WARM, step * 0.01)
-        grants = policy.plan_prefill(1000, [(cold, 10**9), (warm, 2000)], step * 0.01)
-        policy.on_step(0.01, grants[0] > 0)
-        cold_time += 0.01 if grants[0] else 0.0
-        warm_steps += grants[1] > 0
-    assert cold_time >= 0.2 * 4.0  # at least ~cold_share of the time
-    assert warm_steps >= 0.6 * 400  # and warm tails run in most steps
+def test_retired_step_planner_keys_are_accepted_and_mean_nothing():
+    """cold_share and share_window_s tuned a step planner no engine ran (DeepInfer schedules its
+    own chunks): removed, and a profile written before still loads."""
+    config = AdmissionConfig.from_dict({"cold_share": 0.25, "share_window_s": 10.0, "max_cold_prefills": 3})
+    assert config.max_cold_prefills == 3 and not hasattr(config, "cold_share")
+    with pytest.raises(ValueError, match="unknown \\[admission\\] keys: cold_shar"):
+        AdmissionConfig.from_dict({"cold_shar": 0.25})
 
 
 def test_a_new_session_is_not_shed_while_a_cold_slot_is_free():

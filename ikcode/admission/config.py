@@ -12,6 +12,9 @@ from typing import Any
 POLICIES = ("fifo", "ikcode")
 
 
+RETIRED_KEYS = ("cold_share", "share_window_s")
+
+
 @dataclass(frozen=True)
 class AdmissionConfig:
     # "fifo": pass requests through in arrival order, no caps, no shedding (the baseline a plain
@@ -24,10 +27,6 @@ class AdmissionConfig:
     # own prefill compute and memory; see admission.gate). One or two keeps warm turns from
     # queueing behind a wall of brand-new long conversations.
     max_cold_prefills: int = 2
-    # Share of each step's prefill budget guaranteed to cold work while any is admitted, so a
-    # stream of warm turns can never starve a cold one (engines that let us plan the step).
-    cold_share: float = 0.25
-    share_window_s: float = 10.0  # the cold share is measured over about this much step time
     # A cold request waiting this long ranks with the warm ones (aging: nothing starves).
     aging_s: float = 20.0
     # Shed a NEW session's cold request (529 + retry-after) when its predicted TTFT exceeds this
@@ -68,8 +67,6 @@ class AdmissionConfig:
             raise ValueError(f"admission policy must be one of {POLICIES}, got {self.policy!r}")
         if self.max_cold_prefills < 1:
             raise ValueError("max_cold_prefills must be >= 1 (cold work must always progress)")
-        if not (0.0 < self.cold_share <= 1.0):
-            raise ValueError(f"cold_share must be in (0, 1], got {self.cold_share}")
         limit = self.max_active_sessions
         if limit != "plan" and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(f'max_active_sessions must be "plan" or a number >= 0, got {limit!r}')
@@ -81,7 +78,9 @@ class AdmissionConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None, **overrides: Any) -> AdmissionConfig:
         """Build from a profile's [admission] table; unknown keys are an error that names them."""
-        data = dict(data or {})
+        # Knobs of a step planner no engine ran (the engine schedules its own chunks): profiles
+        # written before it was removed still set them, and mean nothing now.
+        data = {k: v for k, v in (data or {}).items() if k not in RETIRED_KEYS}
         data.update({k: v for k, v in overrides.items() if v is not None})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)

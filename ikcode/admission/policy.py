@@ -13,8 +13,6 @@ Decisions:
                  warm, a new session only while the active ones are under the limit, at most
                  max_cold_prefills cold ones prefilling at once on each rank, and on each rank
                  in order while its memory lasts (the gate says where and whether).
-  plan_prefill() how an engine that asks splits one step's prefill budget: warm tails first,
-                 cold work guaranteed cold_share of it.
 """
 
 from __future__ import annotations
@@ -95,8 +93,6 @@ class AdmissionPolicy:
         # Ranks of the engine (data parallel): each has its own prefill compute, so a cold read
         # takes num_ranks times the server's rate divided evenly, and the cold cap is per rank.
         self.num_ranks = 1
-        self._step_s = 0.0  # decayed step time, all steps / steps that ran cold work
-        self._cold_step_s = 0.0
 
     # ---- arrival -----------------------------------------------------------------------------
     def classify(self, lookup: CacheLookup) -> RequestClass:
@@ -338,49 +334,6 @@ class AdmissionPolicy:
         session's idle time starts (now; None: from when it was admitted)."""
         self.inflight.pop(request_id, None)
         self.slots.done(request_id, now)
-
-    # ---- the engine step (engines that let admission plan it) ---------------------------------
-    def plan_prefill(self, budget: int, pending: list[tuple[Ticket, int]], now: float) -> list[int]:
-        """Tokens to prefill this step for each (ticket, remaining) in pending (admission order).
-
-        fifo: first come first served. ikcode: warm tails first; cold work gets
-        at least cold_share of step time (measured through on_step) and every step without warm.
-        """
-        grant = [0] * len(pending)
-        left = budget
-        if self.fifo:
-            for i, (_, remaining) in enumerate(pending):
-                if left <= 0:
-                    break
-                grant[i] = min(remaining, left)
-                left -= grant[i]
-            return grant
-        # Class only, no aging here: aging orders the admission queue; inside the engine the
-        # cold share is what guarantees a cold prefill progresses.
-        first = [t.cls is RequestClass.WARM for t, _ in pending]
-        warm = [i for i, is_warm in enumerate(first) if is_warm]
-        cold = [i for i, is_warm in enumerate(first) if not is_warm]
-        # Cold work is owed a step when its share of recent step time fell below cold_share:
-        # such a step is cold's first (warm tails get what is left). Other steps are warm's
-        # first, and cold only runs in them when no warm tail is waiting: a step's length is
-        # what delays the warm first tokens in it.
-        owed = bool(cold) and self._cold_step_s <= self.config.cold_share * self._step_s
-        order = cold + warm if owed else warm + cold
-        left = budget
-        for i in order:
-            if left <= 0:
-                break
-            if not owed and i in cold and any(grant[j] for j in warm):
-                break
-            grant[i] = min(pending[i][1], left)
-            left -= grant[i]
-        return grant
-
-    def on_step(self, seconds: float, ran_cold: bool) -> None:
-        """An engine that plans with plan_prefill reports each step (the cold share's clock)."""
-        decay = math.exp(-seconds / self.config.share_window_s)
-        self._step_s = self._step_s * decay + seconds
-        self._cold_step_s = self._cold_step_s * decay + (seconds if ran_cold else 0.0)
 
     # ---- truth -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

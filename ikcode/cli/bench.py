@@ -70,9 +70,6 @@ from ikcode.cli.common import FiniteFloat
     "--max-cold-prefills", type=click.IntRange(min=1), default=None, help="Admission knob override."
 )
 @click.option(
-    "--cold-share", type=FiniteFloat(0, 1, min_open=True), default=None, help="Admission knob override."
-)
-@click.option(
     "--ttft-bound",
     "ttft_bound_s",
     type=FiniteFloat(min=0, min_open=True),
@@ -200,7 +197,6 @@ def bench_command(**opts: Any) -> None:
                     profile.admission,
                     policy=policy,
                     max_cold_prefills=opts["max_cold_prefills"],
-                    cold_share=opts["cold_share"],
                     ttft_bound_s=opts["ttft_bound_s"],
                     aging_s=opts["aging_s"],
                     shed=False if opts["no_shed"] else None,

@@ -168,3 +168,34 @@ def test_harmony_lists_a_tool_whose_array_items_are_not_an_object(items):
     spec = {"type": "object", "properties": {"xs": {"type": "array", "items": items}}}
     tools = [{"type": "function", "function": {"name": "T", "description": "", "parameters": spec}}]
     assert "xs?: any[]" in FORMATS["harmony"]().tools_text(tools)
+
+
+def test_gpt_oss_generation_goes_on_past_its_reasoning():
+    """gpt-oss ends its analysis message with <|end|> before the answer or the call: <|end|> as a
+    stop token ended every reply after the hidden reasoning (content [], end_turn)."""
+    from ikcode.gateway.chat_format import derive_chat_format
+    from ikcode.gateway.render import Renderer
+    from ikcode.gateway.reply_builder import ReplyBuilder
+    from ikcode.model.tokenizer import Tokenizer
+    from tests.test_tool_formats import CASES
+
+    case = next(c for c in CASES if c.name == "harmony")
+    specials = ("<|startoftext|>", "<|endoftext|>", *case.specials)
+    tokenizer = Tokenizer.from_vocab(special_tokens=specials, eos_tokens=None)  # as a GGUF's specials
+    stop = {tokenizer.decode([i]) for i in tokenizer.eos_token_ids}
+    assert stop == {"<|return|>", "<|call|>", "<|endoftext|>"}  # not <|end|>
+    template = load_template("gpt_oss.jinja")
+    tokenizer.chat_template = template
+    renderer = Renderer(tokenizer, derive_chat_format(tokenizer, template), tool_format=FORMATS["harmony"]())
+    assert "<|end|>" not in {tokenizer.decode([i]) for i in renderer.stop_token_ids}
+    assert {"<|return|>", "<|call|>"} <= {tokenizer.decode([i]) for i in renderer.stop_token_ids}
+    reply = (
+        "<|channel|>analysis<|message|>The user says hi.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Hello!"
+    )
+    builder = ReplyBuilder(tokenizer, renderer.stop_token_ids, [], FORMATS["harmony"]().new_parser([]))
+    for token in tokenizer.encode(reply):  # what the engine streams until it stops
+        assert token not in renderer.stop_token_ids
+        builder.push([token])
+    builder.finish()
+    assert builder.content == [{"type": "text", "text": "Hello!"}]

@@ -168,7 +168,11 @@ class Renderer:
         self._tag_re = (
             re.compile("(" + "|".join(map(re.escape, self._tag_ids)) + ")") if self._tag_ids else None
         )
+        # The template's end-of-turn token stops generation, unless the format's messages end
+        # with it inside a turn (harmony's <|end|> closes its reasoning too: see tokenizer.py).
         eot = tokenizer.token_to_id(fmt.end_of_turn) if fmt.end_of_turn else None
+        if fmt.end_of_turn in self.tool_format.ends_messages_not_turns:
+            eot = None
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(((eot,) if eot is not None else ()) + eos))
 

@@ -31,6 +31,23 @@ CHATML_TEMPLATE = (
 # Tokens that end a turn in common chat formats; added to the EOS set when the vocabulary marks
 # them special, as llama.cpp does for end-of-generation tokens.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<|end_of_text|>")
+# gpt-oss (harmony) ends every message with <|end|>, its reasoning included, and its turn with
+# <|return|> (an answer) or <|call|> (a tool call): "<|return|> indicates the end of generation, but
+# <|end|> does not" (its chat template, tests/data/chat_templates/gpt_oss.jinja:308). A vocabulary with both
+# is harmony's: they end generation and <|end|> does not, whatever the file's eos/eot says
+# (llama.cpp's vocabulary loader treats it the same way).
+HARMONY_END_OF_GENERATION = ("<|return|>", "<|call|>")
+HARMONY_MESSAGE_END = "<|end|>"
+
+
+def _end_of_generation(eos: list[int | None], specials: Sequence[str], token_id) -> list[int | None]:
+    """eos ids (from the file) plus the specials that end a turn in the vocabulary's format."""
+    if all(t in specials for t in HARMONY_END_OF_GENERATION):
+        message_end = token_id(HARMONY_MESSAGE_END)
+        kept = [i for i in eos if i != message_end]
+        return kept + [token_id(t) for t in (*HARMONY_END_OF_GENERATION, "<|endoftext|>") if t in specials]
+    return eos + [token_id(t) for t in END_OF_TURN_TOKENS if t in specials]
+
 
 # Pre-tokenizer splits by GGUF `tokenizer.ggml.pre` name (the regexes llama.cpp uses for them).
 _GPT2_STYLE = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
@@ -132,7 +149,7 @@ class Tokenizer:
         user_defined = [t for t, k in entries if k == _GGUF_USER_DEFINED]
         backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
         eos = [meta.get("tokenizer.ggml.eos_token_id"), meta.get("tokenizer.ggml.eot_token_id")]
-        eos += [backend.token_to_id(t) for t in END_OF_TURN_TOKENS if t in specials]
+        eos = _end_of_generation(eos, specials, backend.token_to_id)
         bos = meta.get("tokenizer.ggml.bos_token_id")
         template = meta.get("tokenizer.chat_template")
         return cls(
@@ -159,7 +176,7 @@ class Tokenizer:
 
         specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         eos = [token_id(config.get("eos_token")), *extra_eos_ids]
-        eos += [backend.token_to_id(t) for t in END_OF_TURN_TOKENS if t in specials]
+        eos = _end_of_generation(eos, list(specials), backend.token_to_id)
         template = config.get("chat_template")
         if isinstance(template, list):  # the named-templates form: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
@@ -175,10 +192,11 @@ class Tokenizer:
         cls,
         merges: Sequence[tuple[str, str]] = (),
         special_tokens: Sequence[str] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>"),
-        eos_tokens: Sequence[str] = ("<|im_end|>",),
+        eos_tokens: Sequence[str] | None = ("<|im_end|>",),
         chat_template: str | None = CHATML_TEMPLATE,
     ) -> Tokenizer:
         """A small byte-level BPE for tests: ids = special tokens, the 256 bytes, then one per merge.
+        eos_tokens None: the end-of-generation set a GGUF with these specials would get.
 
         Merges are written in byte-level spelling (a space is "Ġ"), e.g. [("h", "e"), ("Ġ", "he")].
         """
@@ -192,7 +210,8 @@ class Tokenizer:
             "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges],
         }
         built = cls.from_gguf_metadata(meta)
-        built.eos_token_ids = tuple(tokens.index(t) for t in eos_tokens)
+        if eos_tokens is not None:
+            built.eos_token_ids = tuple(tokens.index(t) for t in eos_tokens)
         built.chat_template = chat_template
         return built
 

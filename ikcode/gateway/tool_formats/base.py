@@ -129,6 +129,9 @@ class ToolFormat:
     name = "base"
     # Strings that some vocabularies hold as single tokens: kept whole when rendering text.
     markers: tuple[str, ...] = ()
+    # End-of-message tokens that also close messages inside a turn (reasoning, a call's header):
+    # not stop tokens, whatever the template's turns end with.
+    ends_messages_not_turns: tuple[str, ...] = ()
 
     def tools_text(self, tools: list[Any]) -> str:
         """The text that describes the callable tools, appended to the system turn."""

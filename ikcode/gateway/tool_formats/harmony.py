@@ -147,6 +147,9 @@ class HarmonyParser:
 class HarmonyFormat(ToolFormat):
     name = "harmony"
     markers = (START, END, MESSAGE, CHANNEL, CALL, RETURN, CONSTRAIN)
+    # <|end|> ends the analysis message before the answer or call: generation ends at <|return|>
+    # or <|call|> (the tokenizer's end-of-generation set for this vocabulary).
+    ends_messages_not_turns = (END,)
 
     def tools_text(self, tools: list[dict[str, Any]]) -> str:
         text = "# Tools\n\n## functions\n\nnamespace functions {\n\n"

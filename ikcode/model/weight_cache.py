@@ -20,7 +20,9 @@ import torch
 
 from ikcode import paths
 
-FORMAT_VERSION = 3  # 2: the sidecar names the file's own model name (a hit takes the name asked for); 3: a harmony tokenizer's end-of-generation set
+# 2: the sidecar names the file's own model name (a hit takes the name asked for);
+# 3: a harmony tokenizer's end-of-generation set (tokenizer.py)
+FORMAT_VERSION = 3
 _PROBE = 1 << 20  # bytes read at each end of the source for its identity
 _WEIGHTS, _META = "state_dict.pt", "meta.json"
 

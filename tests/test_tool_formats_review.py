@@ -163,6 +163,16 @@ def test_a_close_marker_inside_a_json_string_is_the_strings_text():
     assert parse_every_split("hermes", reply) == ("", [("Read", {"path": content})])
 
 
+def test_a_close_marker_inside_a_qwen3_coder_parameter_is_the_values_text():
+    """The same for qwen3_coder's XML calls: the value was cut at the marker, the call still ran
+    (a Write of a truncated file) and the rest of it came out as text."""
+    content = 'line "1"\n{x} </tool_call> and more'
+    reply = (
+        f"<tool_call>\n<function=Read>\n<parameter=path>\n{content}\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse_every_split("qwen3_coder", reply) == ("", [("Read", {"path": content})])
+
+
 @pytest.mark.parametrize("items", [True, [{"type": "string"}]], ids=["items true", "items a list"])
 def test_harmony_lists_a_tool_whose_array_items_are_not_an_object(items):
     spec = {"type": "object", "properties": {"xs": {"type": "array", "items": items}}}

@@ -118,6 +118,14 @@ class XmlCallBody:
             self._closed_calls += 1
             self.call = CallAssembler()
 
+    @property
+    def in_string(self) -> bool:
+        """Inside a parameter's value (opened, not ended): a </tool_call> here is the value's
+        text (a Write of code about tool calls), not the end of the call. The template closes
+        every parameter before the call ends."""
+        start = _PARAMETER.search(self._buf) if self.call.name is not None else None
+        return start is not None and _PARAMETER_END.search(self._buf, start.end()) is None
+
     def _parameters(self, final: bool) -> list[ParseEvent]:
         events: list[ParseEvent] = []
         while True:

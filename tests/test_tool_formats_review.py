@@ -209,3 +209,13 @@ def test_gpt_oss_generation_goes_on_past_its_reasoning():
         builder.push([token])
     builder.finish()
     assert builder.content == [{"type": "text", "text": "Hello!"}]
+
+
+def test_llama3_json_an_object_without_arguments_is_text():
+    """A reply that starts with a JSON object holding a "name" (a package.json shown to the user)
+    became tool_use("my-app", {}) and a "no such tool" round trip; vLLM's parser needs the
+    arguments member (llama_tool_parser.py:95-97) and gives the text."""
+    reply = '{"name": "my-app", "version": "1.0.0"}\n\nThis is your package.json.'
+    assert parse_every_split("llama3_json", reply) == (reply, [])
+    call = '{"name": "Read", "parameters": {"path": "a"}}'
+    assert parse_every_split("llama3_json", call) == ("", [("Read", {"path": "a"})])

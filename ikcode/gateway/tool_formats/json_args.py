@@ -210,6 +210,11 @@ class JsonCallParser:
     def done(self) -> bool:
         return self.scanner.state in ("done", "failed")
 
+    @property
+    def has_arguments(self) -> bool:
+        """An arguments member ("arguments", "parameters") has begun."""
+        return self._arguments_seen
+
     def feed(self, text: str) -> tuple[list[ParseEvent], int]:
         members, used = self.scanner.feed(text)
         events: list[ParseEvent] = []

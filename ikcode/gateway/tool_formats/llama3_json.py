@@ -2,9 +2,12 @@
 
 Markers as vLLM reads them (llama_tool_parser.py @02de3de): a call is a reply that starts with
 the tag (:49) or with "{" (:122-123), several calls separated by ";" (:82), the arguments under
-"parameters" or "arguments" (:95-97). Tool list, call and result text as the Llama 3.1 JSON tool
-template writes them (tests/data/chat_templates/llama3_1_json.jinja), with the tools in the system
-turn (the template's `tools_in_user_message=false` layout): the first user message changes every
+"parameters" or "arguments" (:95-97; an object with neither raises there and the reply is
+text, so here too: a reply that is a JSON object with a "name", a package.json, is no call without
+the tag, and its events are held until an arguments member begins). Tool list, call and result
+text as the Llama 3.1 JSON tool template writes them
+(tests/data/chat_templates/llama3_1_json.jinja), with the tools in the system turn (the
+template's `tools_in_user_message=false` layout): the first user message changes every
 conversation, so tools there could not be shared by the prefix cache. With tools, the system
 turn starts "Environment: ipython" as in the template (the role markers are probed without).
 """
@@ -42,6 +45,8 @@ class Llama3JsonParser:
         self._mode = "start"  # start -> calls | text
         self._call: JsonCallParser | None = None
         self._raw = ""
+        self._tagged = False  # after <|python_tag|>: a call whatever its members
+        self._held: list[ParseEvent] = []  # an untagged call's events until its arguments begin
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
@@ -55,7 +60,7 @@ class Llama3JsonParser:
                 if not stripped or (partial_suffix(stripped, PYTHON_TAG) == len(stripped)):
                     return out  # only whitespace or the start of the tag so far
                 if stripped.startswith(PYTHON_TAG):
-                    self._buf, self._mode = stripped[len(PYTHON_TAG) :], "calls"
+                    self._buf, self._mode, self._tagged = stripped[len(PYTHON_TAG) :], "calls", True
                 elif stripped.startswith("{"):
                     self._buf, self._mode = stripped, "calls"
                 else:
@@ -73,7 +78,11 @@ class Llama3JsonParser:
                 events, used = self._call.feed(self._buf)
                 self._raw += self._buf[:used]
                 self._buf = self._buf[used:]
-                out += events
+                if self._tagged or self._call.has_arguments:
+                    out += self._held + events
+                    self._held = []
+                else:
+                    self._held += events
                 if not self._call.done:
                     return out
                 out += self._close()
@@ -81,9 +90,13 @@ class Llama3JsonParser:
 
     def _close(self) -> list[ParseEvent]:
         assert self._call is not None
-        events = self._call.close()
-        self._call = None
-        return events if events is not None else [TextPiece(self._raw)]
+        call, self._call, held = self._call, None, self._held
+        self._held = []
+        if not (self._tagged or call.has_arguments):  # a JSON object, not a call: its text
+            self._mode = "text"
+            return [TextPiece(self._raw)]
+        events = call.close()
+        return held + events if events is not None else [TextPiece(self._raw)]
 
     def finish(self) -> list[ParseEvent]:
         out: list[ParseEvent] = []

@@ -8,6 +8,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ikcode.admission import AdmissionConfig
+from ikcode.cache.stats import merge_stats
 from ikcode.engines.base import EngineOverloaded
 
 from .hardware import HardwareModel
@@ -139,13 +140,7 @@ def run_simulation(
 
 
 def _merged_cache_stats(server: SimulatedServer) -> dict[str, float]:
-    merged: dict[str, float] = {}
-    for rank in server.ranks:
-        for key, value in rank.cache.stats.to_dict().items():
-            merged[key] = merged.get(key, 0) + value
-    queries = merged.get("prefix_cache_queries_total", 0)
-    merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits_total", 0) / queries if queries else 0.0
-    return merged
+    return merge_stats([rank.cache.stats.to_dict() for rank in server.ranks])
 
 
 def _first(script: AgentScript) -> tuple[float, Turn]:

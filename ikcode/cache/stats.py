@@ -93,3 +93,15 @@ class CacheStats:
             label = "+Inf" if le == float("inf") else f"{le:g}"
             d[f"prefix_cache_regret_seconds_bucket{{le={label}}}"] = cumulative
         return d
+
+
+def merge_stats(parts: list[dict[str, float | int]]) -> dict[str, float]:
+    """Several caches' `to_dict()`s as one (a data-parallel engine's ranks): counters add up, the
+    hit rate is taken again from the summed counts (summed, four ranks at 0.8 read 3.2)."""
+    merged: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            merged[key] = merged.get(key, 0) + value
+    queries = merged.get("prefix_cache_queries_total", 0)
+    merged["prefix_cache_hit_rate"] = merged.get("prefix_cache_hits_total", 0) / queries if queries else 0.0
+    return merged

@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ikcode.cache import hash_blocks
+from ikcode.cache.stats import merge_stats
 from ikcode.engines.base import (
     CacheLookup,
     EngineError,
@@ -261,13 +262,12 @@ class DeepInferEngine:
 
     # ---- truth for /metrics, doctor and tests ---------------------------------------------------
     def cache_stats(self) -> dict[str, float]:
-        merged: dict[str, float] = {}
+        parts = []
         for r in self.ranks:
             if self.failure:
                 break
-            for key, value in self._call(r, "cache_stats").items():
-                merged[key] = merged.get(key, 0) + value
-        return merged
+            parts.append(self._call(r, "cache_stats"))
+        return merge_stats(parts)
 
     def check(self) -> list[dict[str, Any]]:
         """Each rank's invariants (raises if broken) and its block / state-slot counts."""

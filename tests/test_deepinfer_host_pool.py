@@ -76,3 +76,17 @@ def test_a_clean_close_removes_the_pool_without_tracker_errors():
         assert p.exitcode == 0
     pool.close()
     assert not (Path("/dev/shm") / pool.name).exists()
+
+
+def test_a_pool_larger_than_shared_memory_is_refused_at_once():
+    """Creating it only sets its size: a rank touching a page past /dev/shm's capacity died of
+    SIGBUS mid-serving. Asking twice what the file system has free is refused, saying what to do."""
+    import pytest
+
+    from ikcode.engines.deepinfer.host_pool import SHM_DIR, HostPoolTooLarge
+
+    free = os.statvfs(SHM_DIR).f_bavail * os.statvfs(SHM_DIR).f_frsize
+    before = set(Path(SHM_DIR).iterdir())
+    with pytest.raises(HostPoolTooLarge, match="host_cache_mb"):
+        HostPool(2 * free // PAGE_BYTES + 1, PAGE_BYTES)
+    assert set(Path(SHM_DIR).iterdir()) == before  # nothing created

@@ -39,7 +39,7 @@ from ikcode.engines.base import (
     check_request,
 )
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
-from ikcode.engines.deepinfer.host_pool import HostPool
+from ikcode.engines.deepinfer.host_pool import HostPool, HostPoolTooLarge
 from ikcode.engines.deepinfer.rank_process import RankSpec, rank_main
 from ikcode.engines.deepinfer.routing import SessionRouter
 from ikcode.engines.placement import Placement
@@ -143,7 +143,11 @@ class DeepInferEngine:
         pages = int(self.ranks[0].info["host_pages"])
         if pages:
             page_bytes = int(self.ranks[0].info["page_bytes"])
-            self.host_pool = HostPool(pages * len(self.ranks), page_bytes)
+            try:
+                self.host_pool = HostPool(pages * len(self.ranks), page_bytes)
+            except HostPoolTooLarge as err:
+                self._stop_processes()
+                raise EngineError(f"deepinfer failed to start: {err}") from None
             for r in self.ranks:
                 r.send(("host_pool", self.host_pool.name, r.rank * pages, pages, page_bytes))
 

@@ -5,14 +5,39 @@ cudaHostRegister) so H2D/D2H copies take the DMA path."""
 
 from __future__ import annotations
 
+import os
 import uuid
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
+
+SHM_DIR = "/dev/shm"  # where POSIX shared memory lives on Linux (a tmpfs)
+
+
+class HostPoolTooLarge(ValueError):
+    """The pool asked for does not fit the shared-memory file system."""
+
+
+def check_room(size: int, shm_dir: str = SHM_DIR) -> None:
+    """Refuse a pool larger than the shared-memory file system can hold: creating it only sets
+    its size, and a rank touching a page past the tmpfs's capacity dies of SIGBUS mid-serving,
+    failing the whole engine (Docker's default /dev/shm is 64 MB)."""
+    try:
+        stat = os.statvfs(shm_dir)
+    except OSError:
+        return  # no such file system to ask: let the creation say
+    free = stat.f_bavail * stat.f_frsize
+    if size > free:
+        raise HostPoolTooLarge(
+            f"the host tier asks for {size / 2**30:.1f} GiB of shared memory and {shm_dir} has "
+            f"{free / 2**30:.1f} GiB free: lower [deepinfer] host_cache_mb, or give the machine "
+            f"(or container: --shm-size) more shared memory"
+        )
 
 
 class HostPool:
     def __init__(self, num_pages: int, page_bytes: int):
         self.num_pages, self.page_bytes = num_pages, page_bytes
+        check_room(num_pages * page_bytes)
         self.shm = shared_memory.SharedMemory(
             name=f"ikcode-kv-{uuid.uuid4().hex[:12]}", create=True, size=max(1, num_pages * page_bytes)
         )

@@ -32,6 +32,22 @@ def test_unknown_or_bad_step_settings_are_refused():
         DeepInferConfig(model="/nonexistent", prefill_attempt_interval=0).validate()
 
 
+@pytest.mark.parametrize(
+    ("setting", "says"),
+    [
+        ({"affinity_max_imbalance": -1}, "affinity_max_imbalance must be >= 0"),  # routing raised
+        ({"prefill_watermark": 1.5, "gpu_tier_fraction": 0.5}, "prefill_watermark must be in"),
+        ({"prime_min_tokens": -5}, "prime_min_tokens must be >= 0"),
+        ({"host_tier_bytes_per_rank": -1}, "host_tier_bytes_per_rank must be >= 0"),
+        ({"data_parallel_size": 4, "visible_devices": "0,1"}, "names 2 GPU"),  # ranks shared a card
+        ({"environment": {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "off"}}, "may not set"),
+    ],
+)
+def test_settings_that_break_the_engine_later_are_refused_at_once(setting, says):
+    with pytest.raises(ValueError, match=says):
+        DeepInferConfig(model="/nonexistent", **setting).validate()
+
+
 @pytest.mark.deepinfer
 def test_the_real_scheduler_runs_with_the_adapters_settings(tmp_path):
     engine = real_engine(

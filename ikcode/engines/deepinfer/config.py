@@ -19,6 +19,9 @@ REQUIRED_ENVIRONMENT: dict[str, str] = {
     "DEEPINFER_BATCH_INVARIANT": "1",
     "DEEPINFER_ENABLE_MTP_VARLEN": "0",
 }
+# What the adapter's resume path relies on (the loader asserts the compact truncation; the window
+# is kept only with the extra state): not for a profile's [deepinfer] environment to change.
+FIXED_ENVIRONMENT = ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_PREFILL_STORE_EXTRA_STATE")
 
 
 # The [deepinfer] profile keys: how the adapter sets DeepInfer's own step scheduling.
@@ -93,6 +96,23 @@ class DeepInferConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.commit_point not in ("release", "final_token"):
             raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")
+        if not 0.0 < self.prefill_watermark <= 1.0:
+            raise ValueError(f"prefill_watermark must be in (0, 1], got {self.prefill_watermark}")
+        for name in ("affinity_max_imbalance", "prime_min_tokens", "host_tier_bytes_per_rank",
+                     "host_tier_blocks_per_rank", "snapshot_bytes_per_rank"):  # fmt: skip
+            if getattr(self, name) < 0:  # a negative imbalance left routing no rank at all
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        given = [d for d in self.visible_devices.split(",") if d.strip()]
+        if given and len(given) < self.data_parallel_size:  # two ranks on one card otherwise
+            raise ValueError(
+                f"visible_devices names {len(given)} GPU(s) for data_parallel_size={self.data_parallel_size}"
+            )
+        fixed = sorted(k for k in self.environment if k in FIXED_ENVIRONMENT)
+        if fixed:
+            raise ValueError(
+                f"environment may not set {', '.join(fixed)}: the adapter's cache resume depends on "
+                "its value (a warm hit would fail inside DeepInfer)"
+            )
 
     @property
     def yoco_keep_tokens(self) -> int:

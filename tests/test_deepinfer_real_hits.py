@@ -276,3 +276,30 @@ def test_eviction_while_a_turn_that_copied_the_prefix_runs(tmp_path):
     assert cold_answers(tmp_path, {"c2": warm_prompt}, 600)["c2"] == warm
     cold = cold_answers(tmp_path, {"e1": newcomer, "c3": turn3}, 16)
     assert cold["e1"] == fresh and cold["c3"] == again
+
+
+def test_a_request_that_cannot_fit_yet_does_not_empty_the_gpu_tier(tmp_path):
+    """A big prompt waiting for a running request's blocks: evicting every cached block could not
+    make room for it, and the eviction emptied the GPU tier all the same, each time the waiting
+    request was looked at (the next turn of a cached conversation then read cold)."""
+    engine = real_engine(tmp_path, blocks=64, gpu_tier_fraction=0.6, prime_min_tokens=0)
+    admitted = admissions(engine)
+    try:  # 63 usable blocks, 8 kept free for the prefill watermark
+        _, final = run(engine, "c1", random_tokens(1800, 71), max_tokens=8, session="c")  # 14 cached
+        assert finished_normally(final)
+        (idle,) = wait_quiet(engine)
+        cached = idle["blocks_pinned"]
+        assert cached >= 14, idle
+        hog = submit(engine, "hog", random_tokens(3000, 72), 600, "h")  # 24 blocks and growing
+        until(lambda: "hog" in admitted)
+        big = submit(engine, "big", random_tokens(5000, 73), 4, "b")  # 40 + 8: more than 63 - 24
+        time.sleep(1.0)  # steps go by with "big" waiting
+        (waiting,) = engine.check()
+        assert "big" not in admitted and waiting["pending"] == 1, waiting
+        assert waiting["blocks_pinned"] == cached, waiting  # the cache kept what it held
+        engine.abort("big")
+        engine.abort("hog")
+        hog.collect(60), big.collect(60)
+        assert_no_leaks(wait_quiet(engine))
+    finally:
+        engine.shutdown(drain_timeout_s=5)

@@ -231,6 +231,12 @@ class RankCache:
         keep: the prefix the coming allocation will hit, evicted only when nothing else can go
         (the allocation takes the whole prompt before the hit's copy gives those blocks back)."""
         pool = self.cache.pool
+        reachable = self.blocks.get_num_free_blocks() + len(self.copy_sources) + len(self.cache.policy)
+        if reachable < free_blocks_needed:
+            # Even every evictable block would not make room (running sequences hold the rest):
+            # the request waits, and evicting now would only empty the GPU tier, again each time
+            # the waiting request is looked at.
+            return 0
         spared = [pool.index[key] for key in keep or () if key in pool.index]
         for slot in spared:
             pool.pin(slot)  # out of the policy's reach for the first pass

@@ -110,3 +110,24 @@ def test_the_host_tier_is_sized_by_the_measured_page(tmp_path):
         assert engine.host_pool.num_pages == 2 * (budget // page)
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_blocks_evicted_for_the_watermark_are_remembered_when_asked_for_again(tmp_path):
+    """The watermark eviction (the adapter's main one) dropped keys without the ghost list: the
+    regret metric (a dropped prefix asked for again) never counted what it evicted."""
+    engine = real_engine(tmp_path, blocks=64, gpu_tier_fraction=0.6, prime_min_tokens=0)
+    try:
+        first = random_tokens(1800, 81)
+        run(engine, "a1", first, max_tokens=8, session="a")
+        wait_quiet(engine)
+        for n in range(3):  # newer conversations push the first one's blocks out (no host tier)
+            run(engine, f"x{n}", random_tokens(3000, 82 + n), max_tokens=8, session=f"x{n}")
+            wait_quiet(engine)
+        stats = engine.cache_stats()
+        assert stats["prefix_cache_evicted_blocks_total"] > 0
+        assert stats["prefix_cache_dropped_blocks_total"] == stats["prefix_cache_evicted_blocks_total"]
+        run(engine, "a2", first, max_tokens=8, session="a")
+        assert engine.cache_stats()["prefix_cache_regret_blocks_total"] > 0
+        assert_no_leaks(wait_quiet(engine))
+    finally:
+        engine.shutdown(drain_timeout_s=5)

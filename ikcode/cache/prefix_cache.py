@@ -147,10 +147,7 @@ class PrefixCache:
         for slot in host_slots:
             self.host.pin(slot)
         # Regret is judged before this allocation's own evictions push anything out of memory.
-        for key in hashes[d + h :]:
-            evicted_at = self.ghost.pop(key)
-            if evicted_at is not None:
-                self.stats.record_regret(now - evicted_at)
+        self.note_missed(hashes[d + h :], now)
         demotions: list[tuple[int, int]] = []
         fresh = [self._take_block(now, demotions) for _ in range(needed)]
         promotions = list(zip(host_slots, fresh[:h], strict=True))
@@ -298,6 +295,13 @@ class PrefixCache:
     def _unpin_demoted(self, demotions: list[tuple[int, int]]) -> None:
         for _block, slot in demotions:
             self.host.unpin(slot)
+
+    def note_missed(self, keys: list[BlockHash], now: float) -> None:
+        """Keys a request asked for and no tier held: those dropped not long ago are regret."""
+        for key in keys:
+            evicted_at = self.ghost.pop(key)
+            if evicted_at is not None:
+                self.stats.record_regret(now - evicted_at)
 
     def _host_evicted(self, key: BlockHash | None, now: float) -> None:
         if key is not None:

@@ -110,6 +110,9 @@ class RankCache:
             alloc = self.cache.allocate(request_id, [], 0, session_id=session, num_tokens=prompt_len)
         finally:
             self._promote_into = []
+        # The prompt's blocks past the resumable prefix are computed: those dropped lately are
+        # regret, as a plain PrefixCache.allocate of the whole prompt would count them.
+        self.cache.note_missed(hashes[n:], time.monotonic())
         try:
             for i in range(alloc.cached_blocks_device):
                 slot = alloc.block_table[i]
@@ -259,27 +262,24 @@ class RankCache:
                 break
             key = pool.block_hash[slot]
             assert key is not None
-            dropped: list[BlockHash] = []
+            gone, lost = None, not self.cache.num_host_blocks
             if self.cache.num_host_blocks and self.cache.host.lookup(key) is None:
                 page, gone = self.cache.host.put(key)
-                if gone is not None:
-                    self.cache.stats.host_evicted_blocks += 1
-                    dropped.append(gone)
                 if page is not None:
                     self.copy_device_to_host([(slot, page)])
                     self.cache.stats.demoted_blocks += 1
                 else:  # every host page pinned: the key is lost
-                    dropped.append(key)
-            elif not self.cache.num_host_blocks:
-                dropped.append(key)
+                    lost = True
             del pool.index[key]
             pool.block_hash[slot] = None
             policy.forget(slot)
             pool.free.append(slot)
             self.cache.stats.evicted_blocks += 1
-            self.cache.stats.dropped_blocks += len(dropped)
-            for gone_key in dropped:
-                self._key_dropped(gone_key)
+            # PrefixCache's own bookkeeping: a key the host let go is dropped only when the device
+            # does not hold it, and a dropped key is remembered (the ghost list's regret metric).
+            self.cache._host_evicted(gone, now)  # noqa: SLF001
+            if lost:
+                self.cache._dropped(key, now)  # noqa: SLF001
             self._unbind(slot)
             evicted += 1
         return evicted

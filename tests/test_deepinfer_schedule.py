@@ -69,3 +69,19 @@ def test_none_keeps_deepinfers_own_defaults(tmp_path):
         assert (check["prefill_attempt_interval"], check["prefill_any_attempt_interval"]) == (70, 100)
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+@pytest.mark.deepinfer
+def test_the_profiles_cache_policy_runs_on_the_ranks(tmp_path):
+    """[cache] policy was checked, then ignored: the ranks kept LRU while the simulator ran the
+    policy the profile named."""
+    profile = load_profile("deepinfer-4xb200")
+    profile = profile.model_copy(update={"cache": {**profile.cache, "policy": "ikcode"}})
+    assert DeepInferConfig.from_profile(profile, model_path="/nonexistent").cache_policy == "ikcode"
+    with pytest.raises(ValueError, match="unknown cache policy 'lfu'"):
+        DeepInferConfig(model="/nonexistent", cache_policy="lfu").validate()
+    engine = real_engine(tmp_path, cache_policy="ikcode")
+    try:
+        assert [c["cache_policy"] for c in wait_quiet(engine)] == ["IkcodePolicy"]
+    finally:
+        engine.shutdown(drain_timeout_s=5)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from ikcode.cache.policy import make_policy
+
 DEFAULT_SNAPSHOT_CACHE_MB = 8192  # [cache] snapshot_cache_mb: all ranks together
 KVSTORE_GRAIN = 128  # DeepInfer's KV block: 128 tokens (model_metadata_utils.py:133-135)
 
@@ -60,6 +62,7 @@ class DeepInferConfig:
     # a snapshot also goes when its block leaves both tiers.
     snapshot_bytes_per_rank: int = 2 * 1024**3
     write_through: bool = False  # copy committed pages to the host tier at once
+    cache_policy: str = "lru"  # [cache] policy: which GPU-tier block goes first (cache/policy.py)
     prefill_watermark: float = 0.9  # the engine stalls prefill admission past this usage
     commit_point: Literal["release", "final_token"] = "release"  # "final_token": the published bug
     # DeepInfer keeps the sliding window only at a sequence's LAST 128 boundary, and a resume must
@@ -96,6 +99,7 @@ class DeepInferConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.commit_point not in ("release", "final_token"):
             raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")
+        make_policy(self.cache_policy)  # raises for an unknown one, naming the known ones
         if not 0.0 < self.prefill_watermark <= 1.0:
             raise ValueError(f"prefill_watermark must be in (0, 1], got {self.prefill_watermark}")
         for name in ("affinity_max_imbalance", "prime_min_tokens", "host_tier_bytes_per_rank",
@@ -186,6 +190,7 @@ class DeepInferConfig:
             served_model=profile.served_model,
             gpu_memory_utilization=float(cache.get("gpu_memory_utilization", 0.9)),
             gpu_tier_fraction=float(cache.get("gpu_tier_fraction", 0.6)),
+            cache_policy=str(cache.get("policy", "lru")),
             host_tier_bytes_per_rank=host_bytes // cards,
             snapshot_bytes_per_rank=snapshot_bytes // cards,
             **{key: int(value) for key, value in schedule.items()},

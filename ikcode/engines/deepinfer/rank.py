@@ -96,7 +96,7 @@ class RankWorker(RankAdmission, RankRelease):
         self.cache = RankCache(
             self.engine, slots, self.host_pages, KVSTORE_GRAIN, config.write_through,
             host_pages=host_pages, extra_state_tokens=config.extra_state_tokens,
-            max_snapshot_bytes=config.snapshot_bytes_per_rank,
+            max_snapshot_bytes=config.snapshot_bytes_per_rank, policy=config.cache_policy,
         )  # fmt: skip
         self.commit_failures = 0  # finalize_seq commits that raised (surfaced by cache_stats and doctor)
         self.preempted = 0  # sequences DeepInfer stopped for lack of KV memory (scheduler.hpp:766-790)

@@ -38,6 +38,7 @@ class RankCache:
         host_pages: Any = None,
         extra_state_tokens: int = 128,
         max_snapshot_bytes: int = 2 * 1024**3,
+        policy: str = "lru",
     ):
         self.engine = engine
         self.scheduler = engine.scheduler
@@ -51,6 +52,7 @@ class RankCache:
             block_size,
             num_host_pages,
             store=self,
+            policy=policy,
             write_through=write_through,
             on_dropped=self._key_dropped,
         )

@@ -231,6 +231,7 @@ class RankLoop:
             "rank": self.spec.rank, "live": len(w.live), "pending": len(w.pending),
             "blocks_total": w.total_blocks, "blocks_free": w.blocks.get_num_free_blocks(),
             "blocks_pinned": w.cache.num_pinned, "blocks_in_sequences": len(in_sequences),
+            "cache_policy": type(w.cache.cache.policy).__name__,
             "blocks_pinned_in_sequences": len(in_sequences & set(w.cache.bound.values())),
             "blocks_copy_sources": len(w.cache.copy_sources),
             # window snapshots: all, those whose key neither tier holds any more, their bytes

@@ -131,3 +131,29 @@ def test_blocks_evicted_for_the_watermark_are_remembered_when_asked_for_again(tm
         assert_no_leaks(wait_quiet(engine))
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_the_cache_counts_the_hits_its_requests_report(tmp_path):
+    """With priming passes and both tiers in play, the cache's hit counters are the sum of what
+    its requests report as served from it (a priming pass's own hits are nobody's; what it
+    computed for a request a moment before is not a hit of that request)."""
+    engine = real_engine(tmp_path, blocks=96, gpu_tier_fraction=0.42, host_tier_blocks_per_rank=256)
+    reported = 0
+    try:
+        a, b = random_tokens(3000, 11), random_tokens(3000, 12)
+        prompts = [("a1", a, "A"), ("b1", b, "B")]
+        for rid, prompt, session in prompts:
+            reply, final = run(engine, rid, prompt, session=session)
+            reported += final.stats.cached_tokens_device + final.stats.cached_tokens_host
+            wait_quiet(engine)
+        for n, (prompt, session) in enumerate(((a, "A"), (b, "B"), (a, "A"))):
+            longer = prompt + random_tokens(700, 20 + n)
+            _, final = run(engine, f"again{n}", longer, session=session)
+            assert finished_normally(final)
+            reported += final.stats.cached_tokens_device + final.stats.cached_tokens_host
+            wait_quiet(engine)
+        stats = engine.cache_stats()
+    finally:
+        engine.shutdown(drain_timeout_s=5)
+    assert reported > 0
+    assert stats["prefix_cache_hits_total"] == reported, stats

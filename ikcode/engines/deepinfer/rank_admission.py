@@ -152,12 +152,15 @@ class RankAdmission:
         if r.prime is not None and r.cached_before_prime is not None:
             # What the priming pass computed a moment ago was computed for r: not a cache hit.
             before = r.cached_before_prime
-            with self.lock:
+            kept = min(device, before[0]), min(host, before[1])
+            with self.lock:  # the cache's counters say what the request's stats say
                 stats = self.cache.cache.stats
-                extra = device - before[0]
-                stats.hit_tokens_device -= extra
-                stats.hit_blocks_device -= extra // KVSTORE_GRAIN
-            device, host = min(device, before[0]), min(host, before[1])
+                extra_device, extra_host = device - kept[0], host - kept[1]  # never negative
+                stats.hit_tokens_device -= extra_device
+                stats.hit_blocks_device -= extra_device // KVSTORE_GRAIN
+                stats.hit_tokens_host -= extra_host
+                stats.hit_blocks_host -= extra_host // KVSTORE_GRAIN
+            device, host = kept
         r.stats.cached_tokens_device, r.stats.cached_tokens_host = device, host
         r.stats.computed_tokens = prompt_len - device - host
         r.stats.admitted_at = time.monotonic()

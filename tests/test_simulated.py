@@ -3,6 +3,7 @@ the live router and cache; deterministic with a seed, and fast."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 from ikcode.admission import AdmissionConfig
@@ -132,3 +133,42 @@ def test_admission_holds_200_x_500k_within_1_5x_of_the_median_at_plans_limit():
     assert over["admission"]["sessions_waited"] >= 200 - limit
     assert over["failed"] == 0 and over["shed_retries"] > 0
     assert over["ttft"]["p50"] <= 1.5 * at_limit["ttft"]["p50"], (at_limit["ttft"], over["ttft"])
+
+
+def test_a_prompt_past_the_cards_watermark_fails_instead_of_hanging_the_run():
+    """A prompt that fits the card but not under its prefill watermark was neither allocated nor
+    failed: it held the rank's queue for ever and the run's clock went to infinity (a hang)."""
+    workload = small(agents=1, context_tokens=640_000, duration_s=60)
+    done: list[dict] = []
+    runner = threading.Thread(
+        target=lambda: done.append(
+            run_simulation(
+                small_cards(kv_tokens_per_card=700_000, cards=1), AdmissionConfig(policy="fifo"), workload
+            )
+        ),
+        daemon=True,
+    )
+    runner.start()
+    runner.join(120)
+    assert done, "the simulation did not end"
+    assert done[0]["failed"] >= 1 and "under the prefill watermark" in next(iter(done[0]["errors"]))
+
+
+def test_a_first_turn_that_fails_at_its_rank_still_ends_the_start_up(monkeypatch):
+    """A turn failed at the rank never got finished_at: one failed first turn emptied the steady
+    section (every turn counted as start-up)."""
+    from ikcode.bench import simulate
+
+    first_turn = simulate.AgentScript.first_turn
+
+    def oversized_for_agent_0(self):
+        turn = first_turn(self)
+        if self.agent == 0:
+            turn.prompt_tokens = 2_000_000  # more than a card holds
+        return turn
+
+    monkeypatch.setattr(simulate.AgentScript, "first_turn", oversized_for_agent_0)
+    cards = small_cards(kv_tokens_per_card=1_000_000, cards=2)
+    report = run_simulation(cards, AdmissionConfig(policy="fifo"), small(agents=4, context_tokens=60_000))
+    assert report["failed"] >= 1
+    assert report["steady"]["from_s"] is not None and report["steady"]["ttft"]["n"] > 0

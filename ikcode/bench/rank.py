@@ -119,13 +119,15 @@ class SimRank:
 
     def allocate_pending(self) -> list[SimRequest]:
         """Allocate the pending queue's head while it fits (first come, first served). Returns
-        requests that can never fit (more than the whole rank holds): they fail."""
+        requests that can never fit (more than the rank gives one sequence, its blocks under the
+        prefill watermark): they fail. One between that and the whole rank waited for ever, the
+        run's clock at infinity."""
         never: list[SimRequest] = []
         while self.pending:
             req = self.pending[0]
             need, hits, keys = self._need(req)
             if self.blocks_to_take(req) + self.reserve_blocks > self.cache.num_free_blocks():
-                if not self.waiting and not self.decoding and need > self.total_blocks:
+                if not self.waiting and not self.decoding and need > self.total_blocks - self.reserve_blocks:
                     never.append(self.pending.popleft())
                     continue
                 break

@@ -164,9 +164,12 @@ class SimulatedServer:
                 self.ranks[req.rank].pending.append(req)
         for rank in self.ranks:
             for req in rank.allocate_pending():
+                usable = rank.total_blocks - rank.reserve_blocks
                 req.failed = (
-                    f"rank {rank.index}: needs {rank.blocks_needed(req)} KV blocks, has {rank.total_blocks}"
+                    f"rank {rank.index}: needs {rank.blocks_needed(req)} KV blocks, has {usable} "
+                    f"under the prefill watermark"
                 )
+                req.finished_at = self.now  # it ended here: the steady state still starts
                 self.failed.append(req)
                 self.view.emit(LifecycleKind.FINISHED, req)
                 if req.on_finished:

@@ -267,3 +267,28 @@ def test_a_reply_cut_inside_a_character_ends_before_it(engine, tokenizer, tmp_pa
     wait_idle(engine)
     assert whole["content"][0]["text"] in ("ok ", "ok")
     assert "\\ufffd" not in streamed and "\ufffd" not in streamed
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_engine_stopping_mid_reply_is_an_error_not_a_finished_answer(tokenizer, tmp_path, stream):
+    """The engine ends a request it did not finish with ABORT (shutting down, or its thread gone):
+    the gateway read only ERROR as a failure, so the cut reply went out as end_turn (a 200 the
+    client took as final), was logged without an error and remembered as the turn."""
+    from tests.tiny_model import tiny_engine
+
+    inner = tiny_engine(kv_memory_bytes=2 * 1024 * 1024)
+    inner.start()
+    srv = serve(ScriptedEngine(inner, tokenizer.encode("word " * 100), pace_s=0.05), tokenizer, tmp_path)
+    try:
+        threading.Timer(1.0, lambda: inner.shutdown(drain_timeout_s=0)).start()
+        answer = post(srv, {"model": "tiny", "max_tokens": 200, "messages": HELLO, "stream": stream})
+    finally:
+        srv.stop()
+    if stream:
+        last = answer.text.strip().split("\n\n")[-1]
+        assert last.startswith("event: error"), answer.text[-300:]
+        assert json.loads(last.split("data: ", 1)[1])["error"]["type"] == "overloaded_error"
+    else:
+        assert answer.status_code == 529, answer.text
+    (record,) = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert record["error"] and record["stop_reason"] is None

@@ -116,6 +116,11 @@ class Generation:
             self.error = event.error if event.finish_reason == FinishReason.ERROR else None
             if self.finish_reason == FinishReason.ERROR and self.error is None:
                 self.error = EngineError("the engine failed this request")
+            if self.finish_reason == FinishReason.ABORT and not self._stop_requested:
+                # An abort nobody here asked for (a stop sequence, the one call allowed): the
+                # engine stopped (shutdown, its thread gone). The reply is cut: an error the
+                # client retries, not a finished answer.
+                self.error = event.error or EngineShutdown()
             if self._cut and self.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
                 self.error = EngineShutdown()  # an overloaded error the client may retry
         elif self.builder.done and not self._stop_requested:  # a stop sequence matched

@@ -397,6 +397,11 @@ def test_a_body_that_trickles_in_is_refused_at_its_deadline(monkeypatch):
             started = time.monotonic()
             answer = conn.recv(65536).decode()
             elapsed = time.monotonic() - started
+            while "invalid_request_error" not in answer and time.monotonic() - started < 5:
+                more = conn.recv(65536).decode()  # the head and the body may come apart
+                if not more:
+                    break
+                answer += more
     finally:
         srv.stop()
         engine.shutdown(drain_timeout_s=1)

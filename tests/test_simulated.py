@@ -172,3 +172,12 @@ def test_a_first_turn_that_fails_at_its_rank_still_ends_the_start_up(monkeypatch
     report = run_simulation(cards, AdmissionConfig(policy="fifo"), small(agents=4, context_tokens=60_000))
     assert report["failed"] >= 1
     assert report["steady"]["from_s"] is not None and report["steady"]["ttft"]["n"] > 0
+
+
+def test_the_simulated_gate_looks_a_waiting_warm_ticket_up_again_as_live_admission_does():
+    """The live gate re-checks a warm ticket that waited (its prefix may have been evicted); the
+    simulated server's requests carry no token ids, so the re-check never ran in the simulator."""
+    server = SimulatedServer(small_cards(cards=2), AdmissionConfig(policy="ikcode"), block_size=2048)
+    req = SimRequest("r", 1, 50_000, 2, 0.0, session_id="a")
+    ticket = server.policy.make_ticket("r", server.lookup(req), 0.0, "a", req)
+    assert server.controller._gate().uncached(ticket) == 50_000  # nothing cached yet

@@ -50,7 +50,12 @@ class RankGate:
         return where.rank
 
     def uncached(self, ticket: Ticket) -> int | None:
-        """Tokens the engine would compute for the ticket now (its cache looked up again)."""
+        """Tokens the engine would compute for the ticket now (its cache looked up again): the
+        engine's own answer where it gives one (the simulated server's requests carry no token
+        ids), else a lookup of the request's prompt."""
+        own = getattr(self.engine, "uncached_tokens", None)
+        if callable(own) and ticket.payload is not None:
+            return own(ticket.payload)
         request = ticket.payload
         lookup = getattr(self.engine, "lookup", None)
         if request is None or not callable(lookup) or not hasattr(request, "prompt_token_ids"):

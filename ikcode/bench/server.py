@@ -68,6 +68,11 @@ class _EngineView:
             total.kv_blocks_used += load.kv_blocks_used
         return total
 
+    def uncached_tokens(self, req: SimRequest) -> int:
+        """What a queued request would compute now (the gate's re-check of a warm ticket that
+        waited, as live admission looks the prompt up again)."""
+        return self.server.lookup(req).uncached_tokens
+
     def rank_loads(self) -> list[EngineLoad]:
         """Each rank's memory as its allocation sees it: the reserve above the prefill watermark
         is never given to a sequence (rank.allocate_pending)."""

@@ -181,6 +181,23 @@ def test_ping_while_waiting_for_the_first_token(engine, tokenizer, tmp_path):
     wait_idle(engine)
 
 
+def test_ping_while_the_engine_works_on_what_shows_nothing_yet(engine, tokenizer, tmp_path):
+    """Tokens that make no event yet (whitespace here; hidden reasoning, a tool argument held
+    whole) reset the wait for the next engine event, and no ping went out: 3 s of silence on a
+    0.1 s ping interval, which a proxy's idle timeout cuts."""
+    script = tokenizer.encode(" " * 30) + tokenizer.encode("ok")
+    srv = serve(ScriptedEngine(engine, script, pace_s=0.05), tokenizer, tmp_path)
+    try:
+        body = {"model": "tiny", "max_tokens": 64, "messages": HELLO, "stream": True}
+        raw = post(srv, body).text
+        before_text = raw.split("content_block_start", 1)[0]
+        assert before_text.count("event: ping") >= 5, raw[:600]
+        assert raw.rstrip().endswith('data: {"type":"message_stop"}')
+    finally:
+        srv.stop()
+    wait_idle(engine)
+
+
 def test_disconnect_mid_stream_frees_the_engine(engine, tokenizer, tmp_path):
     # A scripted reply of 256 tokens with EOS ignored: the stream is certainly still running when
     # the client cuts the connection after two deltas (a random tiny model may stop early by itself,

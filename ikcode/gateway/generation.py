@@ -168,13 +168,20 @@ class Generation:
         ping = self.gw.settings.ping_interval_s
         try:
             yield sse_event({"type": "message_start", "message": self._message([], final=False)})
+            # A ping after `ping` seconds without a byte to the client, whether or not the engine
+            # was busy: hidden reasoning, a tool argument held whole, or whitespace produce no
+            # event for a long while, and a proxy's idle timeout cuts a silent stream.
+            last_sent = time.monotonic()
             while not self.finished:
-                event = await self.reader.next(ping)
-                if event is None:
-                    yield PING
-                    continue
-                for item in self._consume(event):
+                event = await self.reader.next(max(0.0, ping - (time.monotonic() - last_sent)))
+                items = [] if event is None else self._consume(event)
+                for item in items:
                     yield sse_event(item)
+                if items:
+                    last_sent = time.monotonic()
+                elif time.monotonic() - last_sent >= ping:
+                    yield PING
+                    last_sent = time.monotonic()
             if self.error is not None:
                 yield sse_event(from_engine_error(self.error).body())
                 return

@@ -292,3 +292,23 @@ def test_an_engine_stopping_mid_reply_is_an_error_not_a_finished_answer(tokenize
         assert answer.status_code == 529, answer.text
     (record,) = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
     assert record["error"] and record["stop_reason"] is None
+
+
+def test_a_bug_while_collecting_a_whole_answer_is_logged_as_one(engine, tokenizer, tmp_path, monkeypatch):
+    """It was logged "client disconnected" (the error left unset), sending doctor's and a reader's
+    attention to the client."""
+    from ikcode.gateway import reply_builder
+
+    def broken(self, token_ids):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(reply_builder.ReplyBuilder, "push", broken)
+    srv = serve(ScriptedEngine(engine, tokenizer.encode("ok")), tokenizer, tmp_path)
+    try:
+        answer = post(srv, {"model": "tiny", "max_tokens": 10, "messages": HELLO})
+    finally:
+        srv.stop()
+    assert answer.status_code == 500
+    (record,) = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    assert record["error"] == "internal error"
+    wait_idle(engine)

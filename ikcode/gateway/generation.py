@@ -217,6 +217,11 @@ class Generation:
             response = JSONResponse(self._message(self.builder.content, final=True))
             self.completed = True  # only once the answer could be written
             return response
+        except APIError:
+            raise
+        except Exception:  # a bug of ours: logged as such, not as a client that left
+            self.error = self.error or EngineError("internal error")
+            raise
         finally:
             gone.cancel()
             self.close()

@@ -84,13 +84,20 @@ def test_fifo_keeps_arrival_order(engine):
     controller.shutdown(5)
 
 
-def test_only_new_cold_work_that_cannot_start_is_shed(engine):
+def _shedding_controller(engine) -> AdmissionController:
+    """One cold prefill at a time, 1,000 tokens/s assumed, a bound any wait exceeds: a new
+    session's cold turn that cannot start now is shed."""
     config = AdmissionConfig(
         policy="ikcode", cold_threshold_tokens=64, max_cold_prefills=1, ttft_bound_s=0.001,
         prefill_tokens_per_s=1000.0,
     )  # fmt: skip
     controller = AdmissionController(engine, config)
     controller.start()
+    return controller
+
+
+def test_only_new_cold_work_that_cannot_start_is_shed(engine):
+    controller = _shedding_controller(engine)
     # The cold slot is free: a new session's cold turn starts now, whatever its own read takes.
     running = controller.submit(_request("first-cold", _prompt(4, 1500), "s-first", max_tokens=64))
     # The slot is taken (1500 tokens at 1000/s ahead of it): the next new session is sent away
@@ -115,12 +122,7 @@ def test_a_request_without_a_session_id_is_shed_once_too(engine):
     """Without a session id nothing said its retry was one: under sustained cold load it was shed
     on every try (the SDK gives up after its retries). The same user and prompt is the same
     request: deferred once, then queued."""
-    config = AdmissionConfig(
-        policy="ikcode", cold_threshold_tokens=64, max_cold_prefills=1, ttft_bound_s=0.001,
-        prefill_tokens_per_s=1000.0,
-    )  # fmt: skip
-    controller = AdmissionController(engine, config)
-    controller.start()
+    controller = _shedding_controller(engine)
     running = controller.submit(_request("first-cold", _prompt(4, 1500), "s-first", max_tokens=64))
     with pytest.raises(EngineOverloaded):
         controller.submit(_request("anonymous", _prompt(5, 1500), None))

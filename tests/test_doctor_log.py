@@ -54,10 +54,8 @@ def test_silent_miss_keeps_each_users_session_apart():
     assert result["repeat_hit_rate"] == 1.0
 
 
-def test_tail_fails_when_warm_turns_queue(tmp_path, project):
-    log = tmp_path / "requests.jsonl"
-    records = [log_record(f"s{i}", 1000, 990, 20_000) for i in range(10)]  # warm turns starting after 20 s
-    log.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+def _tail_of(log, project):
+    """The tail check on a log, against the 4xB200 profile's 15 s bound."""
     ctx = DoctorContext(
         profile=load_profile("deepinfer-4xb200"),
         base_url="http://127.0.0.1:1",
@@ -65,7 +63,14 @@ def test_tail_fails_when_warm_turns_queue(tmp_path, project):
         project_dir=project,
         request_log=log,
     )
-    result = check_tail(ctx)
+    return check_tail(ctx)
+
+
+def test_tail_fails_when_warm_turns_queue(tmp_path, project):
+    log = tmp_path / "requests.jsonl"
+    records = [log_record(f"s{i}", 1000, 990, 20_000) for i in range(10)]  # warm turns starting after 20 s
+    log.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    result = _tail_of(log, project)
     assert result.status == FAIL and "warm turns queue" in result.detail and "target 15 s" in result.detail
     assert result.data["warm"]["p95_s"] == 20.0
 
@@ -93,14 +98,7 @@ def test_tail_counts_the_turns_whose_client_gave_up_waiting(tmp_path, project):
     ]
     log = tmp_path / "requests.jsonl"
     log.write_text("\n".join(json.dumps(r) for r in answered + gave_up) + "\n")
-    ctx = DoctorContext(
-        profile=load_profile("deepinfer-4xb200"),
-        base_url="http://127.0.0.1:1",
-        token=None,
-        project_dir=project,
-        request_log=log,
-    )
-    result = check_tail(ctx)
+    result = _tail_of(log, project)
     assert result.status == FAIL, result.detail
     assert result.data["warm"]["p95_s"] >= 60.0 and result.data["warm"]["gave_up"] == 10
     assert "10 left before a first token" in result.detail

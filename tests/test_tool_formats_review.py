@@ -219,3 +219,12 @@ def test_llama3_json_an_object_without_arguments_is_text():
     assert parse_every_split("llama3_json", reply) == (reply, [])
     call = '{"name": "Read", "parameters": {"path": "a"}}'
     assert parse_every_split("llama3_json", call) == ("", [("Read", {"path": "a"})])
+
+
+def test_qwen3_coder_a_string_parameter_keeps_the_text_null():
+    """vLLM reads "null" as null before looking at the type: an Edit whose new text is `null`
+    reached Claude Code with new_string None and failed the tool's validation."""
+    reply = "<tool_call>\n<function=Read>\n<parameter=path>\nnull\n</parameter>\n</function>\n</tool_call>"
+    assert parse("qwen3_coder", [reply]) == ("", [("Read", {"path": "null"})])
+    sleep = "<tool_call>\n<function=Sleep>\n<parameter=s>\nnull\n</parameter>\n</function>\n</tool_call>"
+    assert parse("qwen3_coder", [sleep]) == ("", [("Sleep", {"s": None})])  # a number's null stays null

@@ -58,12 +58,14 @@ def _extra_keys(fields: Any, handled: tuple[str, ...]) -> str:
 
 
 def convert_value(raw: str, schema: Any) -> Any:
-    """A parameter's text as the type its schema declares (vLLM's _convert_param_value rules)."""
-    if raw.lower() == "null":
-        return None
+    """A parameter's text as the type its schema declares (vLLM's _convert_param_value rules,
+    except that a string parameter keeps the text "null": vLLM reads it as null first, and an
+    Edit whose new_string is "null" then failed the tool's validation)."""
     kind = str(schema.get("type", "string")).strip().lower() if isinstance(schema, dict) else "string"
     if kind in ("string", "str", "text", "varchar", "char", "enum"):
         return raw
+    if raw.lower() == "null":
+        return None
     if kind.startswith(("int", "uint", "long", "short", "unsigned")):
         try:
             return int(raw)

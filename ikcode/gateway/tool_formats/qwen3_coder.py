@@ -42,6 +42,7 @@ TOOLS_OUTRO = (
 _FUNCTION = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
 _PARAMETER_END = re.compile(r"</parameter>|<parameter=|</function>")
+_LONGEST_END = len("</parameter>")  # an end marker may begin this many characters back, less one
 
 
 def _as_text(value: Any) -> str:
@@ -97,6 +98,12 @@ class XmlCallBody:
         self._buf = ""
         self._properties: dict[str, Any] = {}
         self._closed_calls = 0
+        # A parameter whose value has begun and not ended: where in _buf its value starts, and
+        # from where to look for its end again (what was searched holds no end marker). Without
+        # them each delta scanned the whole value again: a 100 KB Write fed a few characters at
+        # a time took seconds of the event loop.
+        self._open: int | None = None
+        self._scan_from = 0
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
@@ -111,6 +118,8 @@ class XmlCallBody:
                 self._buf = self._buf[match.end() :]
                 events += self.call.set_name(name)
             events += self._parameters(final=False)
+            if self._open is not None:  # inside a value: no </function> anywhere after it
+                return events
             end = self._buf.find("</function>")
             if end < 0 or _FUNCTION.search(self._buf, end) is None:
                 return events  # this function may still go on; only a next <function= ends it here
@@ -125,18 +134,21 @@ class XmlCallBody:
         """Inside a parameter's value (opened, not ended): a </tool_call> here is the value's
         text (a Write of code about tool calls), not the end of the call. The template closes
         every parameter before the call ends."""
-        start = _PARAMETER.search(self._buf) if self.call.name is not None else None
-        return start is not None and _PARAMETER_END.search(self._buf, start.end()) is None
+        return self.call.name is not None and self._open is not None
 
     def _parameters(self, final: bool) -> list[ParseEvent]:
         events: list[ParseEvent] = []
         while True:
             start = _PARAMETER.search(self._buf)
-            if start is None or 0 <= self._buf.find("</function>") < start.start():
+            if start is None or self._buf.find("</function>", 0, start.start()) >= 0:
+                self._open = None
                 return events  # none left in this function
-            end = _PARAMETER_END.search(self._buf, start.end())
+            end = _PARAMETER_END.search(self._buf, max(start.end(), self._scan_from))
             if end is None and not final:
+                self._open = start.end()
+                self._scan_from = max(start.end(), len(self._buf) - _LONGEST_END + 1)
                 return events
+            self._open, self._scan_from = None, 0
             stop = end.start() if end is not None else len(self._buf)
             value = self._buf[start.end() : stop]
             value = value[1:] if value.startswith("\n") else value

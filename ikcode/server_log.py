@@ -52,4 +52,4 @@ def configure(level: int = logging.INFO, max_bytes: int = MAX_BYTES) -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(FORMAT))
-    logging.basicConfig(level=level, handlers=[handler])
+    logging.basicConfig(level=level, handlers=[handler], force=True)  # whatever logged before

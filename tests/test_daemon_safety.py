@@ -70,8 +70,8 @@ def test_an_unassignable_address_is_not_reported_as_a_busy_port():
 def test_host_override_reaches_the_background_child(monkeypatch):
     seen: dict = {}
 
-    def fake_start(args, host, port, url, profile, on_progress=None):
-        seen.update(args=args, host=host)
+    def fake_start(args, host, port, url, profile, timeout_s=600.0, on_progress=None):
+        seen.update(args=args, host=host, timeout_s=timeout_s)
         return _state_for(1, None)
 
     monkeypatch.setattr(daemon, "start_background", fake_start)
@@ -81,6 +81,7 @@ def test_host_override_reaches_the_background_child(monkeypatch):
     args = seen["args"]
     assert seen["host"] == "0.0.0.0"
     assert args[args.index("--host") + 1] == "0.0.0.0"
+    assert seen["timeout_s"] == 600.0
 
 
 @pytest.mark.parametrize("name", ["", " ", "launcher", "a\nb", "x" * 65, " alice"])

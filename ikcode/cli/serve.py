@@ -41,7 +41,13 @@ def start_stack(profile: Profile, port: int | None = None, model: str | None = N
                 status.update(f"starting ikcode ({profile.name}): {line[-100:]}")
 
         return daemon.start_background(
-            args, profile.endpoint.host, port, url, profile.name, start_timeout_s(profile), progress
+            args,
+            profile.endpoint.host,
+            port,
+            url,
+            profile.name,
+            timeout_s=start_timeout_s(profile),
+            on_progress=progress,
         )
 
 

@@ -17,6 +17,7 @@ PACKAGE = Path(ikcode.__file__).resolve().parent
 # (prefix, layer): the longest matching prefix decides; see STYLE.md.
 LAYERS = (
     ("ikcode.paths", 1), ("ikcode.auth", 1), ("ikcode.profiles", 1), ("ikcode.cache", 1),
+    ("ikcode.server_log", 1),
     ("ikcode.model", 1),
     ("ikcode.engines", 2),  # base, errors, events, request, stream, placement: the protocol
     ("ikcode.engines.embedded", 3), ("ikcode.engines.deepinfer", 3),

@@ -102,12 +102,13 @@ class AdmissionController:
         request.sampling.validate()
         lookup = self.engine.lookup(request.prompt_token_ids, request.cache_salt, request.block_hashes)
         stream = RequestStream(request.request_id, on_abort=self.abort)
+        retry = retry_key(request)  # a digest of the whole prompt: outside the dispatcher's lock
         with self._cv:
             if self._stopping:  # shutdown already failed the queue: nobody would end this stream
                 raise EngineShutdown()
             now = self.clock()
             ticket = self.policy.make_ticket(
-                request.request_id, lookup, now, request.session_id, request, retry_key(request)
+                request.request_id, lookup, now, request.session_id, request, retry
             )
             self.policy.offer(ticket, now)  # may raise EngineOverloaded: nothing was queued
             self._streams[request.request_id] = stream

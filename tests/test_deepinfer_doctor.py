@@ -22,9 +22,11 @@ pytestmark = pytest.mark.deepinfer
 CHECKS = ["endpoint", "contract", "quality_gate", "silent_miss"]
 
 
-def doctor_on_deepinfer(tmp_path, project, mode: str, **engine_config):
+def doctor_on_deepinfer(
+    tmp_path, project, mode: str, checks: list[str] = CHECKS, blocks: int = 2048, **engine_config
+):
     vocab = tiny_tokenizer().vocab_size
-    engine = real_engine(tmp_path / "di", ranks=2, blocks=2048, vocab=vocab, eos=2, **engine_config)
+    engine = real_engine(tmp_path / "di", ranks=2, blocks=blocks, vocab=vocab, eos=2, **engine_config)
     controller = AdmissionController(engine, AdmissionConfig())
     controller.start()
     token = auth.load_or_create_token()
@@ -39,7 +41,7 @@ def doctor_on_deepinfer(tmp_path, project, mode: str, **engine_config):
             profile=load_profile("deepinfer-4xb200"), base_url=server.url, token=token, mode=mode,
             project_dir=project, environ={"PATH": os.environ.get("PATH", "")}, request_log=log,
         )  # fmt: skip
-        return {r.name: r for r in run_checks(ctx, CHECKS)}
+        return {r.name: r for r in run_checks(ctx, checks)}
     finally:
         server.stop()
         controller.shutdown(drain_timeout_s=1)
@@ -78,3 +80,17 @@ def test_doctor_fails_when_the_engine_cannot_commit(tmp_path, project):
     miss = results["silent_miss"]
     assert miss.status == FAIL and "failed to commit" in miss.detail, miss.detail
     assert results["endpoint"].status == PASS and results["contract"].status == PASS
+
+
+def test_capacity_counts_windows_rank_by_rank(tmp_path, project):
+    """A conversation's KV lives on one rank: with the prefill watermark keeping 30% of each
+    rank's blocks back, a full window (80% of a rank's blocks, DeepInfer's own limit) fits no
+    rank, although the two ranks' blocks together hold one and a half windows."""
+    results = doctor_on_deepinfer(
+        tmp_path, project, QUICK, ["endpoint", "capacity"], blocks=512, prefill_watermark=0.7
+    )
+    capacity = results["capacity"]
+    assert capacity.status == WARN and "does not fit the cache of a rank" in capacity.fix, capacity.detail
+    assert len(capacity.data["rank_windows"]) == 2
+    assert all(w < 1 for w in capacity.data["rank_windows"]), capacity.data
+    assert sum(capacity.data["rank_windows"]) >= 1.5 and capacity.data["window_conversations_on_device"] == 0

@@ -142,6 +142,11 @@ class AdmissionController:
     def add_listener(self, listener: LifecycleListener) -> None:
         self.engine.add_listener(listener)
 
+    def rank_loads(self) -> list[EngineLoad]:
+        """Each rank's load (ikcode.engines.placement); an engine without ranks is one."""
+        inner = getattr(self.engine, "rank_loads", None)
+        return list(inner()) if callable(inner) else [self.engine.load()]
+
     # ---- admission stats (the gateway's /metrics and request log read these) ------------------
     def stats(self) -> dict[str, Any]:
         with self._cv:

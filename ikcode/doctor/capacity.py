@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ikcode.doctor.context import DoctorContext
@@ -18,6 +19,8 @@ GAUGES = (
     "waiting",
 )
 
+RANK_GAUGE = re.compile(r'^ikcode_engine_rank_kv_blocks_total\{rank="(?P<rank>\d+)"\}\s+(?P<value>\S+)')
+
 
 def parse_metrics(text: str) -> dict[str, float]:
     """Unlabelled gauges of the Prometheus text format, by name."""
@@ -32,6 +35,16 @@ def parse_metrics(text: str) -> dict[str, float]:
             except ValueError:
                 continue
     return values
+
+
+def rank_blocks(text: str) -> list[float]:
+    """ikcode_engine_rank_kv_blocks_total by rank, in rank order (empty: not exported)."""
+    ranks: dict[int, float] = {}
+    for line in text.splitlines():
+        match = RANK_GAUGE.match(line)
+        if match:
+            ranks[int(match["rank"])] = float(match["value"])
+    return [ranks[r] for r in sorted(ranks)]
 
 
 def _plan_summary(ctx: DoctorContext) -> dict[str, Any] | None:
@@ -81,20 +94,27 @@ def check_capacity(ctx: DoctorContext) -> CheckResult:
         )
     block = ctx.health.get("block_size") or 16
     window = ctx.context_window or ctx.profile.context_window
-    fits = total * block / window if window else 0
+    # A conversation's KV lives on one rank: count whole windows rank by rank (two ranks of 0.6
+    # windows each hold none, not 1.2).
+    ranks = rank_blocks(response.text) if response.status_code == 200 else []
+    per_rank = [blocks * block / window if window else 0 for blocks in (ranks or [total])]
+    fits = sum(int(w) for w in per_rank) if len(per_rank) > 1 else per_rank[0]
     data["window_conversations_on_device"] = round(fits, 2)
+    data["rank_windows"] = [round(w, 2) for w in per_rank]
     parts.append(f"~{fits:.1f} full-window conversations fit on the device tier")
+    if len(per_rank) > 1:
+        parts[-1] += f" ({len(per_rank)} ranks of {min(per_rank):.1f}-{max(per_rank):.1f} windows each)"
     if planned:
         parts.append(
             f"plan ({planned['agents']} agents of {planned['context_tokens']:,} tokens): {planned['status']}"
         )
     detail = "; ".join(parts)
-    if fits < 1:
+    if max(per_rank) < 1:
         return warned(
             NAME,
             detail,
             "raise the KV budget (profile [model] kv_cache_mb): one conversation of the "
-            "full window does not fit the cache",
+            "full window does not fit the cache" + (" of a rank" if len(per_rank) > 1 else ""),
             **data,
         )
     if total and used >= total and (engine["waiting"] or 0) > 0:

@@ -65,6 +65,7 @@ class _LiveCollector(Collector):
             yield GaugeMetricFamily(
                 f"ikcode_engine_{name}", f"engine {name.replace('_', ' ')}", value=getattr(load, name)
             )
+        yield from self._rank_gauges()
         stats: dict[str, Any] = {}
         # An engine may expose its cache counters: `cache_stats()` or a `cache.snapshot()`.
         cache_stats = getattr(self.engine, "cache_stats", None)
@@ -85,6 +86,25 @@ class _LiveCollector(Collector):
         for key, value in stats.items():
             if isinstance(value, int | float) and not isinstance(value, bool):
                 yield GaugeMetricFamily(f"ikcode_{key}", key.replace("_", " "), value=value)
+
+    def _rank_gauges(self) -> Iterator[GaugeMetricFamily]:
+        """The blocks each rank can give a sequence: a conversation lives on one rank, so what
+        fits is decided rank by rank, not by the sum (`ikcode doctor`'s capacity check)."""
+        rank_loads = getattr(self.engine, "rank_loads", None)
+        if not callable(rank_loads):
+            return
+        try:
+            loads = rank_loads()
+        except Exception:
+            return
+        family = GaugeMetricFamily(
+            "ikcode_engine_rank_kv_blocks_total",
+            "KV blocks a sequence can be given, per rank",
+            labels=["rank"],
+        )
+        for rank, load in enumerate(loads):
+            family.add_metric([str(rank)], load.kv_blocks_total)
+        yield family
 
 
 class GatewayMetrics:

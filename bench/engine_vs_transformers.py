@@ -7,7 +7,10 @@ For each thread count, side by side:
 - decode tokens/s: greedy tokens after the first, from a short prompt (--decode-tokens);
 then, on the embedded engine only: time to first token of a --long-tokens prompt computed cold,
 and of the same prompt plus a --tail-tokens tail once the first request has been released
-(its prefix then comes from the cache).
+(its prefix then comes from the cache). Beside the measured speedup, the work ratio: the cold
+prompt's arithmetic over the warm tail's (`prefill_flops`). On a CPU, where prefill is compute
+bound, the speedup can pass the work ratio only if the warm turn runs at a higher FLOP rate than
+the cold one; both rates are printed.
 
 transformers runs `LlamaForCausalLM` over the same weights (load_model, in a process of its own:
 bench/side_process.py says why): a bare forward with its KV cache and `logits_to_keep=1`, no
@@ -158,6 +161,19 @@ def _cache_of(out):
 
 
 # ---- the run ----------------------------------------------------------------------------------
+def prefill_flops(c: ModelConfig, start: int, end: int) -> float:
+    """Multiply-adds x 2 of prefilling positions [start, end) with [0, start) already cached: the
+    decoder layers' matmuls for each new token (q, k, v, o, gate, up, down), the output layer for
+    the one token sampled, and causal attention (QK^T and PV, every query head, each new token
+    over the keys up to its own). Norms, RoPE and softmax are left out (a few FLOPs a value)."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer_weights = c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size
+    new = end - start
+    pairs = new * start + new * (new + 1) // 2  # (query, key) pairs, each query seeing itself
+    matmuls = 2 * new * c.num_layers * layer_weights + 2 * c.hidden_size * c.vocab_size
+    return matmuls + pairs * 4 * c.head_dim * c.num_heads * c.num_layers
+
+
 def load_average() -> float:
     return os.getloadavg()[0]
 
@@ -208,13 +224,18 @@ def bench_threads(model: LoadedModel, threads: int, args, rng: random.Random) ->
                 warms.append(warm)
             cold = min(colds, key=lambda s: s.ttft_s)
             warm = min(warms, key=lambda s: s.ttft_s)
+            cold_flops = prefill_flops(model.config, 0, args.long_tokens)
+            warm_flops = prefill_flops(model.config, args.long_tokens, args.long_tokens + args.tail_tokens)
             row |= {
                 "cold_ttft_s": cold.ttft_s,
+                "cold_gflops_per_s": cold_flops / cold.ttft_s / 1e9,
                 "cold_cached_tokens": cold.cached_tokens,
                 "warm_ttft_s": warm.ttft_s,
                 "warm_cached_tokens": warm.cached_tokens,
                 "warm_prompt_tokens": warm.prompt_tokens,
+                "warm_gflops_per_s": warm_flops / warm.ttft_s / 1e9,
                 "warm_speedup": cold.ttft_s / warm.ttft_s,
+                "work_ratio": cold_flops / warm_flops,
                 "load_avg_ttft": load_average(),
             }
     finally:
@@ -244,12 +265,17 @@ def print_table(rows: list[dict], args) -> None:
     if not args.skip_ttft:
         print(f"\nembedded engine TTFT: {args.long_tokens}-token prompt cold, "
               f"then the same + {args.tail_tokens} new tokens warm; best of {args.ttft_repeats}")  # fmt: skip
-        print(f"{'threads':>7} | {'cold s':>8} {'warm s':>8} {'speedup':>8} | {'warm cached/prompt':>20} "
-              f"| {'load avg':>8}")  # fmt: skip
+        print(f"{'threads':>7} | {'cold s':>8} {'warm s':>8} {'speedup':>8} {'work':>6} | "
+              f"{'GFLOP/s cold':>12} {'warm':>6} | {'warm cached/prompt':>20} | {'load avg':>8}")  # fmt: skip
         for r in rows:
             cached = f"{r['warm_cached_tokens']}/{r['warm_prompt_tokens']}"
             print(f"{r['threads']:>7} | {r['cold_ttft_s']:>8.2f} {r['warm_ttft_s']:>8.3f} "
-                  f"{r['warm_speedup']:>7.1f}x | {cached:>20} | {r['load_avg_ttft']:>8.2f}")  # fmt: skip
+                  f"{r['warm_speedup']:>7.1f}x {r['work_ratio']:>5.1f}x | {r['cold_gflops_per_s']:>12.1f} "
+                  f"{r['warm_gflops_per_s']:>6.1f} | {cached:>20} | {r['load_avg_ttft']:>8.2f}")  # fmt: skip
+        print(
+            "work: the cold prompt's FLOPs over the warm tail's (prefill_flops), the speedup at equal "
+            "FLOP rates"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -44,6 +44,7 @@ async def drain(gw: Any, timeout_s: float) -> None:
     if not gw.in_flight:
         return
     logger.warning("drain deadline of %.0f s reached: cutting %d request(s)", timeout_s, gw.in_flight)
+    gw.cutting = True  # a request still in its submit is cut when its Generation starts
     for generation in list(getattr(gw, "generations", {}).values()):
         generation.cut()
     await _wait_idle(gw, time.monotonic() + CUT_GRACE_S)

@@ -102,6 +102,8 @@ class Generation:
         self._cut = False  # ended by the server's drain deadline, not by the engine or client
         gw.generations[request_id] = self
         self.user = record.get("user") or ""  # its in-flight slot was taken before the submit
+        if gw.cutting:  # its submit was still waiting on the engine when the drain cut the rest
+            self.cut()
 
     # -- engine side --------------------------------------------------------------------------
     def _consume(self, event: TokenEvent) -> list[dict[str, Any]]:

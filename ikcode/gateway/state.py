@@ -29,6 +29,7 @@ class Gateway:
     in_flight_by_user: Counter[str] = field(default_factory=Counter)  # token name -> running
     draining: bool = False  # shutting down: new requests are refused, running ones finish or are cut
     generations: dict[str, Any] = field(default_factory=dict)  # request id -> running Generation
+    cutting: bool = False  # the drain deadline passed: every generation, running or starting, is cut
     body_limit_bytes: int = 0  # 0: settings.max_body_bytes (see request_limits)
     max_token_chars: int | None = None  # the character check's bound; None: no such check
     # the latest prompt of each session, to log how much of the next one repeats it

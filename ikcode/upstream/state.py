@@ -35,6 +35,7 @@ class Upstream:
     started_at: str = field(default_factory=now_iso)
     salt_key: str = ""  # auth.salt_key(): keys each user's cache_salt (openai_proxy.cache_salt)
     draining: bool = False  # shutting down: new requests get 529 + retry (gateway.drain)
+    cutting: bool = False  # the drain deadline passed (its relayed streams are left to uvicorn)
 
     def settle(self, record: dict) -> None:
         """A request is over (answered, failed or cut): admission frees its place."""

@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 
 from ikcode.cache import BlockHash, hash_blocks
-from ikcode.gateway.render import RenderedPrompt
+from ikcode.gateway.prompt_chain import RenderedPrompt
 
 
 class IncrementalBlockHasher:

@@ -29,7 +29,7 @@ from ikcode.engines.base import (
 from ikcode.gateway.edge import CLIENT_CLOSED, client_disconnected
 from ikcode.gateway.errors import APIError, from_engine_error
 from ikcode.gateway.metrics import WARM_HIT_RATE
-from ikcode.gateway.render import RenderedPrompt
+from ikcode.gateway.prompt_chain import RenderedPrompt
 from ikcode.gateway.reply_builder import ReplyBuilder
 from ikcode.gateway.sse import PING, sse_event
 from ikcode.gateway.state import Gateway

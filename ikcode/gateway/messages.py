@@ -27,7 +27,7 @@ from ikcode.gateway.drain import check_draining
 from ikcode.gateway.edge import check_concurrency, check_max_tokens, check_model, clip, clip_session
 from ikcode.gateway.errors import APIError, from_engine_error, invalid_request
 from ikcode.gateway.generation import Generation, release_slot, take_slot
-from ikcode.gateway.render import RenderedPrompt
+from ikcode.gateway.prompt_chain import RenderedPrompt
 from ikcode.gateway.request_limits import check_prompt_chars
 from ikcode.gateway.request_log import now_iso
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest

@@ -25,8 +25,6 @@ import json
 import re
 from array import array
 from collections.abc import Hashable
-from dataclasses import dataclass, field
-from hashlib import blake2b
 from typing import Any
 
 from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
@@ -42,98 +40,20 @@ from ikcode.gateway.content_text import (
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
 from ikcode.gateway.previous_render import PreviousRender, TurnReads, same_turn, turn_reads
+from ikcode.gateway.prompt_chain import (
+    PromptBuild,
+    RenderedPrompt,
+    assistant_content_key,
+    digest,
+    reply_key,
+)
 from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
-_ROOT = b"\x00" * 16
 # Bytes of request a kept render is charged one token for (previous_render.PreviousRender.weight).
 BODY_BYTES_PER_TOKEN = 4
 # Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
 # tool format adds its own markers.
 _TAGS = ("<think>", "</think>")
-
-
-def _digest(data: bytes) -> bytes:
-    return blake2b(data, digest_size=16).digest()
-
-
-def _chain(parent: bytes, key: bytes) -> bytes:
-    return blake2b(parent + key, digest_size=16).digest()
-
-
-def _reply_key(salt: str, chain: bytes) -> bytes:
-    """Where the reply to a prompt ending at `chain` is remembered: per user when salted."""
-    return _chain(salt.encode(), chain) if salt else chain
-
-
-def _get(block: Any, name: str) -> Any:
-    return block.get(name) if isinstance(block, dict) else getattr(block, name, None)
-
-
-@dataclass
-class RenderedPrompt:
-    token_ids: list[int]
-    reply_prefix_key: bytes | None  # chain digest before the reply; None for a prefill
-    fresh_tokens: int  # tokens tokenized by this render (the rest came from the store)
-    segments: int
-    # (chain digest, token count) after each segment: equal digests mean equal token prefixes,
-    # which lets block hashing resume where an earlier prompt of the conversation ended.
-    boundaries: list[tuple[bytes, int]] = field(default_factory=list)
-    # The tools the reply may call, for its parser: none under tool_choice "none".
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    # Tokens copied from a previous render of the conversation (see previous_render), and that
-    # render's token list: both prompts hold the same first reused_tokens tokens.
-    reused_tokens: int = 0
-    reused_from: list[int] | None = None
-    one_call: bool = False  # tool_choice's disable_parallel_tool_use: at most one call in the reply
-
-
-def assistant_content_key(content: str | list[Any]) -> bytes:
-    """Digest of an assistant turn as the client echoes a reply back (ids, names, inputs, text
-    blocks without their surrounding whitespace): the key of a remembered reply, whose tokens are
-    the ones generated, under its own user's salt. Not a key of a rendering: two turns with one
-    such key may render differently (key order of an input, empty text blocks)."""
-    h = blake2b(digest_size=16)
-    blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
-    for block in blocks:
-        kind = _get(block, "type")
-        if kind == "text":
-            text = _get(block, "text").strip()
-            if text:
-                h.update(b"\x00t%d\x00" % len(text) + text.encode())
-        elif kind in ("tool_use", "server_tool_use"):
-            tool_input = json.dumps(_get(block, "input"), sort_keys=True, ensure_ascii=False)
-            h.update(b"\x00u" + json.dumps([_get(block, "id"), _get(block, "name"), tool_input]).encode())
-        elif kind == "thinking":
-            thinking = _get(block, "thinking")
-            h.update(b"\x00k%d\x00" % len(thinking) + thinking.encode())
-        elif kind == "redacted_thinking":
-            data = _get(block, "data")
-            h.update(b"\x00r%d\x00" % len(data) + data.encode())
-    return h.digest()
-
-
-@dataclass
-class _Prompt:
-    """A prompt being built: its ids, the chain digest so far and a boundary after each segment."""
-
-    ids: list[int]
-    chain: bytes = _ROOT
-    fresh: int = 0
-    boundaries: list[tuple[bytes, int]] = field(default_factory=list)
-
-    @classmethod
-    def copied(cls, previous: PreviousRender, num_turns: int, fresh: int) -> _Prompt:
-        """The previous render's prompt up to the end of its first num_turns turns (a copy)."""
-        chain, end = previous.end_of_turns(num_turns)
-        boundaries = previous.boundaries[: previous.num_head_boundaries + num_turns]
-        return cls(previous.token_ids[:end], chain, fresh, boundaries)
-
-    def add(self, key: bytes, segment: list[int], fresh: int, boundary: bool = True) -> None:
-        self.ids.extend(segment)
-        self.chain = _chain(self.chain, key)
-        self.fresh += fresh
-        if boundary:
-            self.boundaries.append((self.chain, len(self.ids)))
 
 
 class Renderer:
@@ -247,7 +167,7 @@ class Renderer:
             first, previous = self._reusable(conversation, head_chain, turns, names, deferred)
         reads: TurnReads = ([], [], [])
         if previous is not None:
-            prompt = _Prompt.copied(previous, first, fresh=prompt.fresh)
+            prompt = PromptBuild.copied(previous, first, fresh=prompt.fresh)
             reads = previous.reads_before(first)
         reused_tokens = len(prompt.ids) if previous is not None else 0
         prefill = False
@@ -274,7 +194,7 @@ class Renderer:
             self.store.put_render(conversation, render, replacing=previous)
         return RenderedPrompt(
             prompt.ids,
-            None if prefill else _reply_key(salt, prompt.chain),
+            None if prefill else reply_key(salt, prompt.chain),
             prompt.fresh,
             num_head_boundaries + len(turns),
             prompt.boundaries,
@@ -286,9 +206,9 @@ class Renderer:
 
     def _render_head(
         self, system: Any, specs: list[dict[str, Any]], deferred: dict[str, Any], tool_choice: Any
-    ) -> _Prompt:
+    ) -> PromptBuild:
         """The start and the system segment (system prompt and the listed tools)."""
-        prompt = _Prompt(list(self._start_ids))
+        prompt = PromptBuild(list(self._start_ids))
         sys_text = system_text(system)
         listed = [spec for spec in specs if spec["function"]["name"] not in deferred]
         sys_prefix = self.format.prefix["system"]
@@ -303,18 +223,18 @@ class Renderer:
             # key of a plain system prompt spelling prefix + "\0" + text, and the segment store is
             # shared by every user (the first request's tokens would have served the other).
             prefix = sys_prefix.encode()
-            key = _digest(b"system+tools\x00%d\x00" % len(prefix) + prefix + sys_text.encode())
+            key = digest(b"system+tools\x00%d\x00" % len(prefix) + prefix + sys_text.encode())
             prompt.add(
                 key, *self._marked_segment(key, [(sys_prefix, sys_text, self.format.suffix["system"])])
             )
         elif sys_text:
-            key = _digest(b"system\x00" + sys_text.encode())
+            key = digest(b"system\x00" + sys_text.encode())
             prompt.add(key, *self._segment("system", key, lambda: sys_text))
         return prompt
 
     def _render_turn(
         self,
-        prompt: _Prompt,
+        prompt: PromptBuild,
         role: str,
         content: Any,
         names: dict[str, str],
@@ -325,7 +245,7 @@ class Renderer:
         """Append one turn; a prefill (a final assistant turn) stays open and gets no boundary."""
         if role == "assistant":
             replied = assistant_content_key(content)
-            reply = None if prefill else self.store.reply(_reply_key(salt, prompt.chain), replied)
+            reply = None if prefill else self.store.reply(reply_key(salt, prompt.chain), replied)
             if reply is not None:
                 seg, n = reply, 0
             else:
@@ -333,21 +253,21 @@ class Renderer:
                 # conversation): a key of the blocks (sorted inputs, empty texts skipped) gave
                 # two turns rendering differently one key, and one took the other's tokens.
                 text = assistant_text(content, self.tool_format)
-                key = _digest(b"assistant\x00" + text.encode())
+                key = digest(b"assistant\x00" + text.encode())
                 seg, n = self._segment("assistant", key, lambda: text, not prefill)
             # An assistant turn's tokens are the generated ids while the store remembers them,
             # else its text's: the chain follows the tokens, so that equal digests keep meaning
             # equal token prefixes (block hashing resumes from them).
-            key = b"t" + _digest(array("q", seg).tobytes())
+            key = b"t" + digest(array("q", seg).tobytes())
         elif role == "user" and (parts := self._result_parts(content, names, deferred)) is not None:
-            key = _digest(b"results\x00" + json.dumps(parts).encode())
+            key = digest(b"results\x00" + json.dumps(parts).encode())
             seg, n = self._marked_segment(key, parts)
         else:
             if role == "user":
                 text = user_text(content, names, deferred, self.tool_format)
             else:
                 text = system_message_text(content)
-            key = _digest(role.encode() + b"\x00" + text.encode())
+            key = digest(role.encode() + b"\x00" + text.encode())
             seg, n = self._segment(role, key, lambda: text)
         prompt.add(key, seg, n, boundary=not prefill)
 

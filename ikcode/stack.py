@@ -5,6 +5,7 @@ This is the only place that knows which engine a profile names; the gateway sees
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -178,6 +179,21 @@ def gateway_settings(profile: Profile, host: str, context_window: int):
     )
 
 
+def _claim_server(profile: Profile, host: str, port: int, url: str) -> None:
+    """Refuse to start beside a running server or on a taken port; else write this one's state."""
+    running = daemon.read_state()
+    if running is not None and running.pid != os.getpid():
+        raise daemon.DaemonError(f"ikcode is already running (pid {running.pid}) at {running.url}")
+    problem = daemon.bind_problem(host, port)
+    if problem is not None:
+        raise daemon.DaemonError(problem)
+    pid = os.getpid()
+    state = daemon.ServerState(
+        pid, host, port, url, profile.name, str(daemon.log_file()), time.time(), daemon.process_identity(pid)
+    )
+    daemon.write_state(state)
+
+
 def serve_foreground(profile: Profile, port: int, model_path: str | None = None) -> None:
     """Run the stack in this process until SIGTERM/SIGINT (what `ikcode up` runs in the background)."""
     from ikcode.gateway import create_app
@@ -185,29 +201,18 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
 
     server_log.configure()
     host = profile.endpoint.host
-    running = daemon.read_state()
-    if running is not None and running.pid != os.getpid():
-        raise daemon.DaemonError(f"ikcode is already running (pid {running.pid}) at {running.url}")
-    problem = daemon.bind_problem(host, port)
-    if problem is not None:
-        raise daemon.DaemonError(problem)
     try:  # what the gateway will need, checked before minutes of model loading, not after
         gateway_settings(profile, host, profile.context_window)
     except ValueError as err:
         raise daemon.DaemonError(str(err)) from None
     url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
-    daemon.write_state(
-        daemon.ServerState(
-            os.getpid(),
-            host,
-            port,
-            url,
-            profile.name,
-            str(daemon.log_file()),
-            time.time(),
-            daemon.process_identity(os.getpid()),
-        )
-    )
+    running = daemon.read_state()
+    # Spawned by `ikcode up` or a launcher: it wrote this state, and holds the start lock until
+    # this server answers. Run by hand: take the lock for the check and the claim, so that two
+    # started at once do not both pass the check and load a model for one port.
+    spawned = running is not None and running.pid == os.getpid()
+    with contextlib.nullcontext() if spawned else daemon.start_lock():
+        _claim_server(profile, host, port, url)
     daemon.drain_file().unlink(missing_ok=True)  # a timeout left by an earlier `ikcode down`
     # SIGTERM while the model loads: leave at once (uvicorn installs its own handler later).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

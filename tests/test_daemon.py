@@ -180,3 +180,32 @@ def test_ctrl_c_while_the_server_loads_stops_it(tmp_path):
     finally:
         launcher.kill()
         ikcode("down")
+
+
+def test_up_in_the_foreground_takes_the_start_lock(tmp_path):
+    """Run by hand, `ikcode up --foreground` checks for a running server and claims the state
+    file under the launchers' start lock: while another start holds it, it waits; the server
+    that start claimed meanwhile is then found, and this one refuses instead of loading a model
+    for the same state file (two at once both passed the check, and the second overwrote the
+    first's state, leaving it out of reach of `ikcode down`)."""
+    port = free_port()
+    profile = str(local_profile(tmp_path, port))
+    with daemon.start_lock():
+        by_hand = subprocess.Popen(
+            [sys.executable, "-m", "ikcode", "up", "--foreground", "--profile", profile],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        time.sleep(3)  # ample for it to reach the check (it imports, reads the profile, no model yet)
+        assert by_hand.poll() is None and daemon.read_state() is None, "it did not wait for the lock"
+        claimed = daemon.ServerState(
+            os.getpid(), "127.0.0.1", port, f"http://127.0.0.1:{port}", "other", "", time.time(),
+            daemon.process_identity(os.getpid()),
+        )  # fmt: skip
+        daemon.write_state(claimed)  # what the lock's holder does before it lets go
+    try:
+        _, err = by_hand.communicate(timeout=60)
+        assert by_hand.returncode != 0 and f"ikcode is already running (pid {os.getpid()})" in err, err
+        assert daemon.read_state(clean_stale=False) == claimed
+    finally:
+        by_hand.kill()
+        daemon.clear_state(os.getpid())

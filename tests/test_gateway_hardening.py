@@ -112,6 +112,24 @@ def _oversized(where: str, big: str) -> tuple[dict, str]:
             {"role": "user", "content": [result]},
         ]
         return message(tools=[tool], messages=messages), "/v1/messages"
+    if where == "loaded deferred tools":  # a schema rendered once per tool_reference naming it
+        part = big[: len(big) // 50 + 1]
+        schema = {"type": "object", "properties": {"x": {"type": "string", "description": part}}}
+        later = {"name": "Later", "description": "later", "input_schema": schema, "defer_loading": True}
+        search = {"type": "tool_use", "id": "toolu_1", "name": "Read", "input": {"path": "Later"}}
+        found = [{"type": "tool_reference", "tool_name": "Later"}] * 51
+        messages = [
+            {"role": "user", "content": "find it"},
+            {"role": "assistant", "content": [search]},
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": found}],
+            },
+        ]
+        return message(tools=[tool, later], messages=messages), "/v1/messages"
+    if where == "document":
+        document = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": big}}
+        return message([document]), "/v1/messages"
     body = message(big)
     if where == "count_tokens":
         del body["max_tokens"]
@@ -127,6 +145,8 @@ def _oversized(where: str, big: str) -> tuple[dict, str]:
         "tool parameter description",
         "tool parameter names",
         "tool call arguments",
+        "loaded deferred tools",
+        "document",
         "count_tokens",
     ],
 )

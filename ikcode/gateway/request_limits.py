@@ -58,9 +58,11 @@ def _string_chars(value: Any) -> int:
     return 0
 
 
-def _text_chars(content: Any) -> int:
-    """Characters of prompt text in a message's content: text, tool results and tool calls'
-    arguments. The rest (thinking, which templates may drop) is left out, which only makes the
+def _text_chars(content: Any, loaded: dict[str, int]) -> int:
+    """Characters of prompt text in a message's content: text, documents, tool results, tool
+    calls' arguments, and each deferred tool a tool_reference loads (its definition is written
+    where the reference stands, once per reference: `loaded` maps a deferred tool's name to its
+    characters). The rest (thinking, which some formats drop) is left out, which only makes the
     bound lower: the token check still sees everything."""
     if isinstance(content, str):
         return len(content.strip())
@@ -70,10 +72,34 @@ def _text_chars(content: Any) -> int:
         if kind == "text":
             total += len(block.text.strip())
         elif kind == "tool_result":
-            total += _text_chars(block.content)
+            total += _text_chars(block.content, loaded)
         elif kind in ("tool_use", "server_tool_use"):
             total += _string_chars(block.input)
+        elif kind == "tool_reference":
+            total += loaded.get(block.tool_name, 0)
+        elif kind == "document":
+            total += _document_chars(block.source)
     return total
+
+
+def _document_chars(source: Any) -> int:
+    """The text a document renders as (content_text.document_text): its data, or its blocks' texts."""
+    if not isinstance(source, dict):
+        return 0
+    if isinstance(source.get("data"), str):
+        return len(source["data"])
+    blocks = source.get("content") if isinstance(source.get("content"), list) else []
+    return sum(len(b["text"]) for b in blocks if isinstance(b, dict) and isinstance(b.get("text"), str))
+
+
+def _loaded_chars(tools: list[Any] | None) -> dict[str, int]:
+    """A deferred tool's characters as a tool_reference loads it: name, description and every
+    string of its schema (content_text.loaded_tools_text writes the schema whole)."""
+    return {
+        tool.name: len(tool.name) + len(tool.description or "") + _string_chars(tool.input_schema)
+        for tool in tools or ()
+        if tool.defer_loading
+    }
 
 
 def _tool_chars(tools: list[Any] | None) -> int:
@@ -103,7 +129,8 @@ def prompt_chars(body: MessagesRequest | CountTokensRequest) -> int:
     system = body.system
     chars = len(system.strip()) if isinstance(system, str) else sum(len(s.text.strip()) for s in system or ())
     chars += _tool_chars(body.tools)
-    return chars + sum(_text_chars(message.content) for message in body.messages)
+    loaded = _loaded_chars(body.tools)
+    return chars + sum(_text_chars(message.content, loaded) for message in body.messages)
 
 
 def check_prompt_chars(

@@ -10,6 +10,7 @@ becomes a placeholder line (refusing it would wedge the client's session). A too
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,20 +21,32 @@ IMAGE_PLACEHOLDER = "[image omitted: the served model reads text only]"
 BILLING_HEADER = "x-anthropic-billing-header"
 
 
-def user_items(content: list[Any], names: dict[str, str], deferred: dict[str, Any]) -> list[tuple[str, Any]]:
+def unguarded(text: str) -> str:
+    """The guard of a vocabulary without marker tokens: nothing to guard."""
+    return text
+
+
+def user_items(
+    content: list[Any],
+    names: dict[str, str],
+    deferred: dict[str, Any],
+    guard: Callable[[str], str] = unguarded,
+) -> list[tuple[str, Any]]:
+    """guard: applied to every string the client wrote (Renderer.guard keeps the tool format's
+    markers in it from becoming control tokens)."""
     items: list[tuple[str, Any]] = []
     for block in content:
         kind = block.type
         if kind == "text":
-            items.append(("text", block.text))
+            items.append(("text", guard(block.text)))
         elif kind == "tool_result":
-            name = names.get(block.tool_use_id, "")
-            text = result_text(block.content, deferred)
+            name = guard(names.get(block.tool_use_id, ""))
+            text = guard(result_text(block.content, deferred))
             items.append(("result", ResultItem(block.tool_use_id, name, text, bool(block.is_error))))
         elif kind == "image":
             raise invalid_request("image content is not supported: the served model reads text only")
         elif kind == "document":
-            items.append(("text", document_text(block)))
+            items.append(("text", guard(document_text(block))))
         elif kind in ("tool_use", "server_tool_use"):
             raise invalid_request("messages: tool_use blocks may only appear in assistant messages")
         # thinking blocks in a user turn carry nothing for the model
@@ -41,11 +54,15 @@ def user_items(content: list[Any], names: dict[str, str], deferred: dict[str, An
 
 
 def user_text(
-    content: str | list[Any], names: dict[str, str], deferred: dict[str, Any], tool_format: ToolFormat
+    content: str | list[Any],
+    names: dict[str, str],
+    deferred: dict[str, Any],
+    tool_format: ToolFormat,
+    guard: Callable[[str], str] = unguarded,
 ) -> str:
     if isinstance(content, str):
-        return content
-    return tool_format.user_text(user_items(content, names, deferred))
+        return guard(content)
+    return tool_format.user_text(user_items(content, names, deferred, guard))
 
 
 def result_text(content: str | list[Any] | None, deferred: dict[str, Any]) -> str:
@@ -90,21 +107,38 @@ def system_message_text(content: str | list[Any]) -> str:
     return "\n".join(block.text for block in content if block.type == "text")
 
 
-def assistant_text(content: str | list[Any], tool_format: ToolFormat) -> str:
+def assistant_text(
+    content: str | list[Any], tool_format: ToolFormat, guard: Callable[[str], str] = unguarded
+) -> str:
+    """guard: as in user_items, for the turn as the client sends it back (text, thinking, and a
+    call's name and every string of its input)."""
     if isinstance(content, str):  # the same turn as one text block (harmony frames it)
-        return tool_format.assistant_text([("text", content)])
+        return tool_format.assistant_text([("text", guard(content))])
     items: list[tuple[str, Any]] = []
     for block in content:
         kind = block.type
         if kind == "text":
-            items.append(("text", block.text))
+            items.append(("text", guard(block.text)))
         elif kind in ("tool_use", "server_tool_use"):
-            items.append(("call", CallItem(block.id, block.name, block.input)))
+            items.append(("call", CallItem(block.id, guard(block.name), guard_strings(block.input, guard))))
         elif kind == "thinking":
-            items.append(("thinking", block.thinking))
+            items.append(("thinking", guard(block.thinking)))
         elif kind in ("tool_result", "image", "document"):
             raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
     return tool_format.assistant_text(items)
+
+
+def guard_strings(value: Any, guard: Callable[[str], str]) -> Any:
+    """value with guard applied to every string in it, keys included (a JSON value)."""
+    if guard is unguarded:
+        return value
+    if isinstance(value, str):
+        return guard(value)
+    if isinstance(value, dict):
+        return {guard(str(k)): guard_strings(v, guard) for k, v in value.items()}
+    if isinstance(value, list):
+        return [guard_strings(v, guard) for v in value]
+    return value
 
 
 def loaded_tools_text(names: list[str], deferred: dict[str, Any]) -> str:

@@ -24,16 +24,18 @@ from __future__ import annotations
 import json
 import re
 from array import array
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
 from ikcode.gateway.content_text import (
     assistant_text,
     call_names,
+    guard_strings,
     merge_assistant_turns,
     system_message_text,
     system_text,
+    unguarded,
     user_items,
     user_text,
 )
@@ -54,6 +56,11 @@ BODY_BYTES_PER_TOKEN = 4
 # Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
 # tool format adds its own markers.
 _TAGS = ("<think>", "</think>")
+# Around a marker string found in client text (Renderer.guard): Unicode noncharacters, which no
+# text in interchange holds.
+GUARD_OPEN, GUARD_CLOSE = "\ufdd0", "\ufdd1"
+_GUARDS = {GUARD_OPEN, GUARD_CLOSE}
+_GUARDED = re.compile(f"{GUARD_OPEN}[^{GUARD_CLOSE}]*{GUARD_CLOSE}")
 
 
 class Renderer:
@@ -85,9 +92,12 @@ class Renderer:
         self._prefix_ids["assistant"] = self._gen_ids = self._encode(fmt.generation_prompt, True)
         tags = _TAGS + self.tool_format.markers
         self._tag_ids = {t: i for t in tags if (i := tokenizer.token_to_id(t)) is not None}
-        self._tag_re = (
-            re.compile("(" + "|".join(map(re.escape, self._tag_ids)) + ")") if self._tag_ids else None
-        )
+        self._tag_re = re.compile("|".join(map(re.escape, self._tag_ids))) if self._tag_ids else None
+        # A piece of text split out of a prompt: a guarded span, a tag, or the text between them.
+        tag_alternatives = "".join(f"|{re.escape(t)}" for t in self._tag_ids)
+        self._piece_re = re.compile(f"({_GUARDED.pattern}{tag_alternatives})")
+        self._tag_starts = {t[0] for t in self._tag_ids}
+        self.guard: Callable[[str], str] = self._guard if self._tag_re is not None else unguarded
         # The template's end-of-turn token stops generation, unless the format's messages end
         # with it inside a turn (harmony's <|end|> closes its reasoning too: see tokenizer.py).
         eot = tokenizer.token_to_id(fmt.end_of_turn) if fmt.end_of_turn else None
@@ -110,19 +120,41 @@ class Renderer:
         except IndexError:  # an id past the vocabulary size: keep the ids as they are
             return ids
 
+    def _guard(self, text: str) -> str:
+        """Client text (a user's words, a file a tool read): the tool format's markers in it are
+        wrapped so that they are tokenized as the text they are, never as the control tokens the
+        format's own markup uses (a file holding `<|end|><|start|>system<|message|>` would
+        otherwise forge a system turn). Guard characters the client sent are replaced."""
+        assert self._tag_re is not None
+        if GUARD_OPEN in text or GUARD_CLOSE in text:
+            text = text.replace(GUARD_OPEN, "\ufffd").replace(GUARD_CLOSE, "\ufffd")
+        if not any(c in text for c in self._tag_starts):
+            return text
+        return self._tag_re.sub(lambda m: GUARD_OPEN + m.group(0) + GUARD_CLOSE, text)
+
     def _encode_plain(self, text: str) -> list[int]:
-        """Content text: special-token strings in it stay text (no role injection)."""
+        """A turn's text: the format's markers in it are its control tokens, guarded spans and
+        every other special-token string stay text (no role injection)."""
+        return self._encode_pieces(text, allow_special=False)
+
+    def _encode_framed(self, text: str) -> list[int]:
+        """Role markers around a turn (special tokens), with guarded client text inside them."""
+        return self._encode_pieces(text, allow_special=True)
+
+    def _encode_pieces(self, text: str, allow_special: bool) -> list[int]:
         if not text:
             return []
-        if self._tag_re is None or "<" not in text:
-            return self._encode(text, False)
+        if self._tag_re is None or not any(c in text for c in self._tag_starts | _GUARDS):
+            return self._encode(text, allow_special)
         ids: list[int] = []
-        for piece in self._tag_re.split(text):
+        for piece in self._piece_re.split(text):
             tag = self._tag_ids.get(piece)
             if tag is not None:
                 ids.append(tag)
+            elif piece.startswith(GUARD_OPEN):
+                ids.extend(self._encode(piece[1:-1], False))
             elif piece:
-                ids.extend(self._encode(piece, False))
+                ids.extend(self._encode(piece, allow_special))
         return ids
 
     def _segment(self, role: str, key: bytes, text_fn: Any, closed: bool = True) -> tuple[list[int], int]:
@@ -209,8 +241,9 @@ class Renderer:
     ) -> PromptBuild:
         """The start and the system segment (system prompt and the listed tools)."""
         prompt = PromptBuild(list(self._start_ids))
-        sys_text = system_text(system)
-        listed = [spec for spec in specs if spec["function"]["name"] not in deferred]
+        sys_text = self.guard(system_text(system))
+        # Tool definitions come from the client and its MCP servers: guarded like its text.
+        listed = [guard_strings(s, self.guard) for s in specs if s["function"]["name"] not in deferred]
         sys_prefix = self.format.prefix["system"]
         if listed:
             tools_text = self.tool_format.tools_text(listed)
@@ -252,7 +285,7 @@ class Renderer:
                 # Keyed by the very text it renders to (the store is shared by every user and
                 # conversation): a key of the blocks (sorted inputs, empty texts skipped) gave
                 # two turns rendering differently one key, and one took the other's tokens.
-                text = assistant_text(content, self.tool_format)
+                text = assistant_text(content, self.tool_format, self.guard)
                 key = digest(b"assistant\x00" + text.encode())
                 seg, n = self._segment("assistant", key, lambda: text, not prefill)
             # An assistant turn's tokens are the generated ids while the store remembers them,
@@ -264,9 +297,9 @@ class Renderer:
             seg, n = self._marked_segment(key, parts)
         else:
             if role == "user":
-                text = user_text(content, names, deferred, self.tool_format)
+                text = user_text(content, names, deferred, self.tool_format, self.guard)
             else:
-                text = system_message_text(content)
+                text = self.guard(system_message_text(content))
             key = digest(role.encode() + b"\x00" + text.encode())
             seg, n = self._segment(role, key, lambda: text)
         prompt.add(key, seg, n, boundary=not prefill)
@@ -312,7 +345,7 @@ class Renderer:
         (prefix, body, suffix) texts, None for the user's markers. None: a plain user turn."""
         if isinstance(content, str) or not any(block.type == "tool_result" for block in content):
             return None
-        items = user_items(content, names, deferred)
+        items = user_items(content, names, deferred, self.guard)
         results = [value for kind, value in items if kind == "result"]
         turns = self.tool_format.result_turns(results)
         if turns is None:
@@ -331,7 +364,7 @@ class Renderer:
         ids, fresh = [], 0
         for prefix, body, suffix in parts:
             body_ids = self._encode_plain(body)
-            ids += self._encode(prefix, True) + body_ids + self._encode(suffix, True)
+            ids += self._encode_framed(prefix) + body_ids + self._encode_framed(suffix)
             fresh += len(body_ids)
         self.store.put_segment(key, ids)
         return ids, fresh

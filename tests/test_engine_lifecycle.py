@@ -119,6 +119,21 @@ def test_lookup_is_side_effect_free_and_matches_admission():
     engine.shutdown()
 
 
+def test_lookup_of_a_block_aligned_prompt_leaves_its_last_block_to_compute():
+    """The last prompt token is always run (its logits give the first output token): a repeat of
+    a 192-token prompt reads 176 from cache and computes 16, and the lookup says so (it said 192
+    cached, 0 to compute: the client's message_start usage and admission's warm/cold call)."""
+    engine = tiny_engine(kv_memory_bytes=1 << 20)
+    prompt = _prompt(1, 192)
+    engine.submit(EngineRequest("a", prompt, SamplingParams(max_tokens=2))).collect(30)
+    assert_pool_clean(engine)
+    look = engine.lookup(prompt)
+    _, final = engine.submit(EngineRequest("b", prompt, SamplingParams(max_tokens=2))).collect(30)
+    assert final.stats.cached_tokens == 176 and final.stats.computed_tokens == 16
+    assert (look.cached_tokens, look.uncached_tokens) == (176, 16)
+    engine.shutdown()
+
+
 def test_chunked_prefill_lets_a_short_request_finish_first():
     engine = tiny_engine(start=False, kv_memory_bytes=1 << 20, max_prefill_tokens_per_step=32)
     long = engine.submit(EngineRequest("long", _prompt(2, 1000), SamplingParams(max_tokens=2)))

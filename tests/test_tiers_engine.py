@@ -83,7 +83,7 @@ def test_release_lag_repeat_hits_after_demotion_to_host(lag: int):
     prompt = prompt_of(20 + lag, 400)
     run(engine, "first", prompt)
     fill_device(engine, "other")
-    look = engine.lookup(prompt)
+    look = engine.lookup(prompt + [5, 6, 7])  # the request that follows
     assert (look.device_tokens, look.host_tokens) == (0, 400)
     _, stats = run(engine, "again", prompt + [5, 6, 7])
     assert stats.cached_tokens / stats.prompt_tokens >= 0.95

@@ -146,11 +146,15 @@ class EmbeddedEngine:
             hashes = block_hashes.hashes
         else:
             hashes = hash_blocks(prompt_token_ids, bs, cache_salt)
+        n = len(prompt_token_ids)
         with self._lock:
             m = self.cache.match(hashes)
-        device = min(m.device_blocks * bs, len(prompt_token_ids))
-        host = min(m.host_blocks * bs, len(prompt_token_ids) - device)
-        return CacheLookup(prompt_tokens=len(prompt_token_ids), device_tokens=device, host_tokens=host)
+            # As admission reads it: the block holding the last prompt token is always computed.
+            reusable = self.cache.reusable_blocks(n, len(hashes))
+        device_blocks = min(m.device_blocks, reusable)
+        device = device_blocks * bs
+        host = min(m.host_blocks, reusable - device_blocks) * bs
+        return CacheLookup(prompt_tokens=n, device_tokens=device, host_tokens=host)
 
     def load(self) -> EngineLoad:
         with self._lock:

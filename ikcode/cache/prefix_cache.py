@@ -116,12 +116,15 @@ class PrefixCache:
         *,
         session_id: str | None = None,
         num_tokens: int | None = None,
+        counted: bool = True,
     ) -> Allocation:
         """A block table of num_blocks device blocks reusing the cached prefix of hashes.
 
         num_tokens: the prompt length. When given, the hit stops one token short of it (the
         engine recomputes the last prompt token, and that write must go to a fresh block); it
         also feeds hit accounting (default num_blocks * block_size).
+        counted: False for a sequence admitted again after a preemption: the request was counted
+        once (its second lookup hits the blocks it committed itself on the way out).
         Raises OutOfBlocks (nothing changed) when the fresh blocks cannot be found; a failed tier
         copy is rolled back and its error raised.
         """
@@ -166,14 +169,15 @@ class PrefixCache:
 
         self._seqs[seq_id] = _Sequence(table=hits + fresh, sharer=sharer)
         s = self.stats
-        s.requests += 1
-        s.query_tokens += num_tokens if num_tokens is not None else num_blocks * self.block_size
-        s.query_blocks += num_blocks
-        s.hit_blocks_device += d
-        s.hit_blocks_host += h
-        s.hit_tokens_device += d * self.block_size
-        s.hit_tokens_host += h * self.block_size
         s.promoted_blocks += h
+        if counted:
+            s.requests += 1
+            s.query_tokens += num_tokens if num_tokens is not None else num_blocks * self.block_size
+            s.query_blocks += num_blocks
+            s.hit_blocks_device += d
+            s.hit_blocks_host += h
+            s.hit_tokens_device += d * self.block_size
+            s.hit_tokens_host += h * self.block_size
         return Allocation(block_table=hits + fresh, cached_blocks_device=d, cached_blocks_host=h)
 
     def append_block(self, seq_id: str) -> int:

@@ -206,6 +206,7 @@ class Scheduler:
                 self.blocks_needed(len(tokens)),
                 session_id=seq.request.session_id,
                 num_tokens=len(tokens),
+                counted=seq.num_preemptions == 0,  # its hit rate was counted when first admitted
             )
 
         try:

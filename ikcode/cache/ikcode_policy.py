@@ -11,7 +11,9 @@ Three segments of evictable blocks, each in LRU order (tail of a sequence first)
              probation (a segmented LRU), so new sessions always keep a window.
   held       blocks of a session whose last step ended in a tool call, released with hold_s:
              kept until their deadline (the next step usually comes within seconds), capped at
-             held_fraction of the device. Expired holds go to the front of probation.
+             held_fraction of the device; near the cap a sequence's head is held before its
+             tail (a hit starts at the first block). An expired hold goes back to the segment
+             it would have had (a shared root to protected), at that segment's LRU end.
 Victims: probation first, then protected, then held (earliest deadline first).
 
 Why returning sessions as a whole: a conversation's next step reads its whole previous prompt
@@ -48,6 +50,7 @@ class IkcodePolicy:
         self._probation: OrderedDict[int, None] = OrderedDict()
         self._protected: OrderedDict[int, None] = OrderedDict()
         self._held: dict[int, float] = {}  # block -> deadline
+        self._protected_after_hold: set[int] = set()  # held blocks that return to protected
         # heap of (deadline, push order, block); entries may be stale. The push order breaks ties
         # so that blocks held together still leave tail first.
         self._deadlines: list[tuple[float, int, int]] = []
@@ -76,26 +79,36 @@ class IkcodePolicy:
     def push(
         self, blocks: list[int], now: float, hold_until: float | None, sharer: str = "", step: bool = True
     ) -> None:
+        self._expire_holds(now)  # holds that ran out leave the quota before a new one is counted
         # A preempted or aborted sequence gave no reply: it is not one of the session's steps.
         steps = self._count_step(sharer) if step else self._steps.get(sharer, 0)
         returning = steps >= self.returning_after
-        for b in blocks:
-            if hold_until is not None and hold_until > now and len(self._held) < self._held_cap:
+        room = self._held_cap - len(self._held) if hold_until is not None and hold_until > now else 0
+        first_held = len(blocks) - max(0, room)  # blocks come tail first: hold the head-most ones
+        for i, b in enumerate(blocks):
+            protect = returning or self._sharers.get(b, 0) >= self.protect_after
+            if i >= first_held:
+                assert hold_until is not None
                 self._held[b] = hold_until
+                if protect:
+                    self._protected_after_hold.add(b)
                 self._pushes += 1
                 heapq.heappush(self._deadlines, (hold_until, self._pushes, b))
-            elif returning or self._sharers.get(b, 0) >= self.protect_after:
+            elif protect:
                 self._protected[b] = None
             else:
                 self._probation[b] = None
-        while len(self._protected) > self._protected_cap:
-            b, _ = self._protected.popitem(last=False)
-            self._probation[b] = None
+        self._cap_protected()
         if len(self._deadlines) > 2 * len(self._held) + 1024:
             # A block held again, or taken by a hit, leaves its old deadline behind, and only an
             # eviction pops them: on a device with room to spare the heap grew every turn.
             self._deadlines = [(d, n, b) for d, n, b in self._deadlines if self._held.get(b) == d]
             heapq.heapify(self._deadlines)
+
+    def _cap_protected(self) -> None:
+        while len(self._protected) > self._protected_cap:
+            b, _ = self._protected.popitem(last=False)
+            self._probation[b] = None
 
     def _count_step(self, sharer: str) -> int:
         """This release is the sharer's n-th step; returns n (0 when the sharer is unknown)."""
@@ -113,6 +126,7 @@ class IkcodePolicy:
         if self._protected.pop(block, 0) is None:
             return
         del self._held[block]  # its heap entry goes stale
+        self._protected_after_hold.discard(block)
 
     def pop_victim(self, now: float) -> int | None:
         self._expire_holds(now)
@@ -124,6 +138,7 @@ class IkcodePolicy:
             deadline, _, b = heapq.heappop(self._deadlines)
             if self._held.get(b) == deadline:
                 del self._held[b]
+                self._protected_after_hold.discard(b)
                 return b
         return None
 
@@ -132,7 +147,7 @@ class IkcodePolicy:
         self._last_sharer.pop(block, None)
 
     def num_held(self) -> int:
-        """Blocks currently held for sessions (expired holds leave at the next eviction)."""
+        """Blocks currently held for sessions (expired holds leave at the next push or eviction)."""
         return len(self._held)
 
     def _expire_holds(self, now: float) -> None:
@@ -142,9 +157,13 @@ class IkcodePolicy:
             if self._held.get(b) == deadline:
                 del self._held[b]
                 expired.append(b)
-        for b in reversed(expired):  # to the front of probation, earliest deadline first
-            self._probation[b] = None
-            self._probation.move_to_end(b, last=False)
+        for b in reversed(expired):  # to their segment's LRU end, earliest deadline first
+            segment = self._protected if b in self._protected_after_hold else self._probation
+            self._protected_after_hold.discard(b)
+            segment[b] = None
+            segment.move_to_end(b, last=False)
+        if expired:
+            self._cap_protected()
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected) + len(self._held)

@@ -53,7 +53,7 @@ def test_two_turns_through_ikcode_up(tmp_path, claude_bin, claude_home):
         )
         assert first.returncode == 0, first.stderr[-3000:] + first.stdout[-3000:]
         assert _foreign_stderr(first.stderr) == [], first.stderr
-        assert "adds claude arguments --tools Bash,Read" in first.stderr  # the profile's own args
+        assert "adds claude arguments --tools=Bash,Read" in first.stderr  # the profile's own args
         result = json.loads(first.stdout)
         assert result["is_error"] is False
         after_first = _log_lines()

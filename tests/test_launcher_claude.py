@@ -95,7 +95,7 @@ def test_claude_gets_full_mapping_in_env_and_settings_file(tmp_path, answering):
     assert argv[0] == "--settings"
     assert argv[-4:] == ["-p", "say hi", "--output-format", "json"]
     # The local profile's small-window defaults are added and announced.
-    assert "--tools" in argv and "--system-prompt" in argv
+    assert "--tools=Bash,Read" in argv and any(a.startswith("--system-prompt=") for a in argv)
     assert "adds claude arguments" in proc.stderr
     assert token not in proc.stderr and token not in proc.stdout
 
@@ -135,9 +135,23 @@ def test_user_flags_override_profile_defaults(tmp_path, answering):
     assert proc.returncode == 7
     argv = rec["argv"]
     assert argv.count("--tools") == 1 and argv[argv.index("--tools") + 1] == "Bash"
-    assert "--system-prompt" in argv  # the other default still applies
+    assert not any(a.startswith("--tools=") for a in argv)
+    assert any(a.startswith("--system-prompt=") for a in argv)  # the other default still applies
     proc, rec = run_ikcode_claude(tmp_path, "--no-default-args", "--base-url", answering, "--", "-p", "x")
-    assert "--tools" not in rec["argv"] and "--system-prompt" not in rec["argv"]
+    assert not any(a.startswith(("--tools", "--system-prompt")) for a in rec["argv"])
+
+
+def test_a_default_flag_with_values_cannot_take_the_users_prompt(tmp_path, answering):
+    """Claude Code's --tools takes any number of values: with the user's own --system-prompt, the
+    kept `--tools Bash,Read` stood right before the prompt, and Claude Code 2.1.332 read the
+    prompt as a tool ("was read as a value of --tools, not as a prompt"). Each default is one
+    `--flag=value` argument (checked with the real client: tools Bash and Read, prompt kept)."""
+    args = ("--base-url", answering, "--", "fix the bug", "-p", "--system-prompt", "be brief")
+    proc, rec = run_ikcode_claude(tmp_path, *args)
+    assert proc.returncode == 7
+    argv = rec["argv"]
+    after_settings = argv[argv.index("--settings") + 2 :]
+    assert after_settings == ["--tools=Bash,Read", "fix the bug", "-p", "--system-prompt", "be brief"]
 
 
 def test_missing_claude_says_how_to_install(tmp_path, answering):

@@ -131,7 +131,10 @@ def _flags(args: list[str]) -> set[str]:
 
 
 def default_args_for(profile: Profile, user_args: list[str]) -> list[str]:
-    """The profile's default claude arguments whose flags the user did not give themselves."""
+    """The profile's default claude arguments whose flags the user did not give themselves, each
+    flag with its value as one `--flag=value` argument: Claude Code's `--tools` takes any number
+    of values, so `--tools Bash,Read` right before the user's prompt took the prompt for a tool
+    (when the user's own `--system-prompt` had dropped the default that followed it)."""
     defaults = profile.claude.default_args
     given = _flags(user_args)
     kept: list[str] = []
@@ -141,7 +144,7 @@ def default_args_for(profile: Profile, user_args: list[str]) -> list[str]:
         takes_value = i + 1 < len(defaults) and not defaults[i + 1].startswith("-")
         group = defaults[i : i + 2] if takes_value else defaults[i : i + 1]
         if flag.split("=", 1)[0] not in given:
-            kept.extend(group)
+            kept.append("=".join(group))
         i += len(group)
     return kept
 

@@ -141,6 +141,36 @@ def test_a_max_tokens_the_front_cannot_bound_is_refused_before_forwarding(front,
     assert len(replica.records()) == seen
 
 
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        # json.loads refuses a number of more than 4,300 digits: the body went on unchecked,
+        # max_tokens 100,000,000 and admission skipped
+        b'{"model":"tiny","max_tokens":100000000,"metadata":{"pad":' + b"9" * 5000 + b'},"messages":[]}',
+        b"[" * 200_000,  # a RecursionError: a 500 and a traceback in the log, every request
+        b"not json",
+        b'["a list"]',
+    ],
+    ids=["huge-number", "nested", "not-json", "not-an-object"],
+)
+def test_a_body_the_front_cannot_read_is_its_own_400(front, replica, raw, path):
+    """What the front cannot parse it cannot bound: a 400 from the front, nothing forwarded."""
+
+    def replica_requests() -> float:  # every request the replica answered, refused ones too
+        text = httpx.get(replica.url + "/metrics", headers={"x-api-key": UPSTREAM_TOKEN}).text
+        counted = [line for line in text.splitlines() if line.startswith('ikcode_requests_total{route="/v1/')]
+        return sum(float(line.split()[-1]) for line in counted)
+
+    before = replica_requests()
+    headers = {"x-api-key": FRONT_TOKEN, "content-type": "application/json"}
+    answer = httpx.post(front.url + path, content=raw, headers=headers)
+    assert answer.status_code == 400, answer.text[:300]
+    error = answer.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"].startswith("request body "), error
+    assert replica_requests() == before  # the front's own answer, nothing forwarded
+
+
 def test_health_tells_strangers_only_the_status_and_never_shows_credentials(tmp_path):
     srv = front_server(tmp_path, "anthropic", ["http://svc:s3cret-pass@127.0.0.1:9/v1?key=k3y"])
     try:

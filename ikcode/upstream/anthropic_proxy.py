@@ -78,13 +78,9 @@ class _Tap:
             self.error = logged_error(self.log_prompts, None, payload)
 
 
-def _body_for_upstream(up: Upstream, raw: bytes, parsed: Any = None) -> tuple[bytes, dict[str, Any]]:
-    try:
-        body = json.loads(raw) if parsed is None else parsed
-    except ValueError:
-        return raw, {}  # the upstream answers malformed JSON in its own words
-    if not isinstance(body, dict):
-        return raw, {}
+def _body_for_upstream(up: Upstream, raw: bytes, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+    """The bytes to send (the client's own, unless the model is renamed) and the body parsed (the
+    front parsed it first: what it cannot read is refused, app._parse_body)."""
     if up.config.model and body.get("model") != up.config.model:
         body["model"] = up.config.model
         raw = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -92,7 +88,7 @@ def _body_for_upstream(up: Upstream, raw: bytes, parsed: Any = None) -> tuple[by
 
 
 async def forward_messages(
-    up: Upstream, request: Request, raw: bytes, record: dict[str, Any], arrived: float, parsed: Any = None
+    up: Upstream, request: Request, raw: bytes, record: dict[str, Any], arrived: float, parsed: dict[str, Any]
 ) -> Response:
     content, body = _body_for_upstream(up, raw, parsed)
     model = body.get("model")  # the client's, as it came (no model check here): clipped, a string
@@ -198,8 +194,10 @@ def _finish(up: Upstream, record: dict[str, Any], tap: _Tap, arrived: float) -> 
     up.log.write(record)
 
 
-async def forward_count_tokens(up: Upstream, request: Request, raw: bytes, user: str | None) -> Response:
-    content, body = _body_for_upstream(up, raw)
+async def forward_count_tokens(
+    up: Upstream, request: Request, raw: bytes, user: str | None, parsed: dict[str, Any]
+) -> Response:
+    content, body = _body_for_upstream(up, raw, parsed)
     path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     session = up.session_key(user, request)
     headers = upstream_headers(up, request.headers, anthropic=True, session_key=session)

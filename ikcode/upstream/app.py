@@ -176,23 +176,16 @@ def create_upstream_app(
             try:
                 if config.kind == "anthropic":
                     raw = await _read_raw(up, request)
-                    try:
-                        parsed = json.loads(raw, object_pairs_hook=_refuse_repeated_keys)
-                    except _RepeatedKey as err:
-                        repeated = clip(str(err))
-                        raise invalid_request(f"request body: key {repeated} appears twice") from None
-                    except ValueError:
-                        parsed = None  # the upstream answers malformed JSON in its own words
-                    if isinstance(parsed, dict):
-                        # The body goes on as it is, but what its reply may cost is the front's to
-                        # bound: only a whole number it can check passes (an upstream may coerce
-                        # "100000", or read another value than this one).
-                        max_tokens = parsed.get("max_tokens")
-                        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-                            got = clip(repr(max_tokens))
-                            raise invalid_request(f"max_tokens: a whole number is required, got {got}")
-                        check_max_tokens(up, max_tokens)
-                        await _admit(up, request, parsed, record)
+                    parsed = _parse_body(raw)
+                    # The body goes on as it is, but what its reply may cost is the front's to
+                    # bound: only a whole number it can check passes (an upstream may coerce
+                    # "100000", or read another value than this one).
+                    max_tokens = parsed.get("max_tokens")
+                    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+                        got = clip(repr(max_tokens))
+                        raise invalid_request(f"max_tokens: a whole number is required, got {got}")
+                    check_max_tokens(up, max_tokens)
+                    await _admit(up, request, parsed, record)
                     answer = await anthropic_proxy.forward_messages(up, request, raw, record, arrived, parsed)
                 else:
                     body = await read_model(up, request, MessagesRequest)
@@ -228,7 +221,8 @@ def create_upstream_app(
             try:
                 if config.kind == "anthropic":
                     raw = await _read_raw(up, request)
-                    return await anthropic_proxy.forward_count_tokens(up, request, raw, user)
+                    parsed = _parse_body(raw)
+                    return await anthropic_proxy.forward_count_tokens(up, request, raw, user, parsed)
                 body = await read_model(up, request, CountTokensRequest)
                 check_model(up, body.model)
                 return await openai_proxy.count_tokens(up, request, body, user)
@@ -278,6 +272,21 @@ def create_upstream_app(
 
 class _RepeatedKey(ValueError):
     pass
+
+
+def _parse_body(raw: bytes) -> dict[str, Any]:
+    """The body as the front reads it, or a 400 of its own: what it cannot read it cannot bound,
+    so it is not forwarded (a number past json's 4,300 digits once carried max_tokens 100,000,000
+    past the check and admission; a deep nesting was a 500 with a traceback)."""
+    try:
+        parsed = json.loads(raw, object_pairs_hook=_refuse_repeated_keys)
+    except _RepeatedKey as err:
+        raise invalid_request(f"request body: key {clip(str(err))} appears twice") from None
+    except (ValueError, RecursionError):
+        raise invalid_request("request body is not valid JSON or is nested too deeply") from None
+    if not isinstance(parsed, dict):
+        raise invalid_request("request body must be a JSON object")
+    return parsed
 
 
 def _refuse_repeated_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

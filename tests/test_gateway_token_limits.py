@@ -8,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from ikcode.auth import OWNER
 from ikcode.gateway import GatewaySettings, create_app
@@ -86,3 +87,39 @@ def test_an_exposed_server_limits_each_token_unless_the_profile_says(tmp_path):
     own = tmp_path / "own.toml"
     own.write_text(text.replace("[auth]\n", "[auth]\nmax_requests_per_user = 3\n"))
     assert gateway_settings(load_profile(str(own)), "0.0.0.0", 8192).max_requests_per_user == 3
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_a_tokens_requests_past_its_cap_are_refused_before_they_are_tokenized(path):
+    """The slot is taken before the prompt is tokenized: four requests of one token at once all
+    tokenized their prompts (count_tokens was not capped at all) before the cap turned three
+    away, so a large prompt sent many times at once cost many tokenizations."""
+    inner = tiny_engine(kv_memory_bytes=4 * 1024 * 1024)
+    inner.start()
+    token = "ik-alice-0123456789"
+    settings = GatewaySettings(served_model=MODEL, auth_tokens={"alice": token}, max_requests_per_user=1)
+    app = create_app(inner, tiny_tokenizer(), settings)
+    renderer = app.state.gateway.renderer
+    render, renders = renderer.render, []
+    renderer.render = lambda *args, **kw: renders.append(1) or time.sleep(0.5) or render(*args, **kw)
+    server = BackgroundServer(app).start()
+    body = message() if path == "/v1/messages" else {k: v for k, v in message().items() if k != "max_tokens"}
+    statuses: list[int] = []
+
+    def send() -> None:
+        headers = {"x-api-key": token, "content-type": "application/json"}
+        answer = httpx.post(server.url + path, content=json.dumps(body).encode(), headers=headers, timeout=60)
+        statuses.append(answer.status_code)
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        server.stop()
+        inner.shutdown(drain_timeout_s=1)
+    assert sorted(statuses) == [200, 429, 429, 429]
+    assert len(renders) == 1
+    assert not app.state.gateway.in_flight_by_user  # every slot given back

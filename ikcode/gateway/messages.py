@@ -189,6 +189,62 @@ def _abort_if_submitted(task: asyncio.Future) -> None:
         task.result().abort()
 
 
+async def _prepare_and_submit(
+    gw: Gateway,
+    request: Request,
+    body: MessagesRequest,
+    sampling: SamplingParams,
+    user: str | None,
+    session_key: str | None,
+    request_id: str,
+    record: dict[str, Any],
+) -> tuple[RequestStream, RenderedPrompt, CacheLookup, float]:
+    """Tokenize the prompt, bound the reply by the window, hand it to the engine: (its stream,
+    the render, the cache lookup, when it was submitted). Called holding the request's slot."""
+    salt = user_salt(gw, user)
+    rendered, lookup, block_hashes = await run_in_threadpool(
+        _render_and_lookup, gw, body, salt, session_key, record, getattr(request.state, "body_bytes", 0)
+    )
+    summary = is_summary_request(body)
+    if summary:  # a compaction: a cold read of the whole conversation and a long summary
+        record["compaction"] = True  # logged as such, refused or not
+    prompt_tokens = len(rendered.token_ids)
+    if prompt_tokens >= gw.context_window:
+        raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))
+    # The reply cannot run past the context window.
+    room = gw.context_window - prompt_tokens
+    if summary:
+        # Its output capped by the server (summary_max_tokens) or by the window: either way
+        # the summary is final. Claude Code keeps what it gets with "end_turn"; "max_tokens"
+        # has it ask for more, re-reading the conversation each time, then fail the turn.
+        cap = gw.settings.summary_max_tokens
+        limit = min(room, cap if cap is not None else room)
+        if sampling.max_tokens > limit:
+            record["summary_max_tokens"] = limit
+    sampling = replace(sampling, max_tokens=min(sampling.max_tokens, room))
+    if "summary_max_tokens" in record:
+        sampling = replace(sampling, max_tokens=record["summary_max_tokens"])
+    # An agent step (a session with tools) usually comes back within seconds, after its tool
+    # runs: ask the cache to keep that session's tail on the device for a bounded time.
+    hold = gw.settings.session_hold_s if (session_key and body.tools) else None
+    engine_request = EngineRequest(
+        request_id,
+        rendered.token_ids,
+        sampling,
+        salt,
+        session_key,
+        hold_tail_s=hold,
+        block_hashes=block_hashes,
+    )
+    check_draining(gw)  # the drain may have begun while this prompt was rendered
+    submitted = time.monotonic()
+    try:
+        stream = await submit_off_loop(gw.engine, engine_request)
+    except EngineError as error:
+        raise from_engine_error(error) from None
+    return stream, rendered, lookup, submitted
+
+
 async def create_message(gw: Gateway, request: Request, body: MessagesRequest, user: str | None) -> Response:
     arrived = time.monotonic()
     request_id = new_message_id()
@@ -211,53 +267,16 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
         check_unsupported(body)
         check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
         check_prompt_chars(body, gw.context_window, gw.max_token_chars)  # before tokenizing
-        salt = user_salt(gw, user)
-        rendered, lookup, block_hashes = await run_in_threadpool(
-            _render_and_lookup, gw, body, salt, session_key, record, getattr(request.state, "body_bytes", 0)
-        )
-        summary = is_summary_request(body)
-        if summary:  # a compaction: a cold read of the whole conversation and a long summary
-            record["compaction"] = True  # logged as such, refused or not
-        prompt_tokens = len(rendered.token_ids)
-        if prompt_tokens >= gw.context_window:
-            raise invalid_request(str(PromptTooLong(prompt_tokens, gw.context_window - 1)))
-        # The reply cannot run past the context window.
-        room = gw.context_window - prompt_tokens
-        if summary:
-            # Its output capped by the server (summary_max_tokens) or by the window: either way
-            # the summary is final. Claude Code keeps what it gets with "end_turn"; "max_tokens"
-            # has it ask for more, re-reading the conversation each time, then fail the turn.
-            cap = gw.settings.summary_max_tokens
-            limit = min(room, cap if cap is not None else room)
-            if sampling.max_tokens > limit:
-                record["summary_max_tokens"] = limit
-        sampling = replace(sampling, max_tokens=min(sampling.max_tokens, room))
-        if "summary_max_tokens" in record:
-            sampling = replace(sampling, max_tokens=record["summary_max_tokens"])
-        # An agent step (a session with tools) usually comes back within seconds, after its tool
-        # runs: ask the cache to keep that session's tail on the device for a bounded time.
-        hold = gw.settings.session_hold_s if (session_key and body.tools) else None
-        engine_request = EngineRequest(
-            request_id,
-            rendered.token_ids,
-            sampling,
-            salt,
-            session_key,
-            hold_tail_s=hold,
-            block_hashes=block_hashes,
-        )
-        check_draining(gw)  # the drain may have begun while this prompt was rendered
-        # Others may have started while this one rendered: checked again, and its slot taken
-        # before the submit, which may wait on the engine (nothing passes the caps meanwhile).
-        check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
+        # The slot is taken before the prompt is tokenized: N requests of one token at once
+        # tokenized N prompts before the cap turned all but one away. It passes to the
+        # Generation with the stream, and is given back on any way out before that.
         take_slot(gw, user or "")
-        submitted = time.monotonic()
         try:
-            stream = await submit_off_loop(gw.engine, engine_request)
-        except BaseException as error:
+            stream, rendered, lookup, submitted = await _prepare_and_submit(
+                gw, request, body, sampling, user, session_key, request_id, record
+            )
+        except BaseException:
             release_slot(gw, user or "")
-            if isinstance(error, EngineError):
-                raise from_engine_error(error) from None
             raise
     except APIError as error:
         record.update(status=error.status, error=error.message)
@@ -287,9 +306,15 @@ async def create_message(gw: Gateway, request: Request, body: MessagesRequest, u
 
 
 async def count_tokens(gw: Gateway, body: CountTokensRequest, user: str | None) -> Response:
+    check_draining(gw)
     check_model(gw, body.model)
     check_tool_choice(body)
+    check_concurrency(gw.settings, gw.in_flight, gw.in_flight_by_user, user)
     # A prompt that cannot fit the window is refused before it is tokenized, as in create_message.
     check_prompt_chars(body, gw.context_window, gw.max_token_chars)
-    rendered = await run_in_threadpool(_render, gw, body, user_salt(gw, user))
+    take_slot(gw, user or "")  # tokenizing is work of the token's, under the same caps
+    try:
+        rendered = await run_in_threadpool(_render, gw, body, user_salt(gw, user))
+    finally:
+        release_slot(gw, user or "")
     return JSONResponse({"input_tokens": len(rendered.token_ids)})

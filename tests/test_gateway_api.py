@@ -167,6 +167,24 @@ def test_stop_sequence_stops_the_engine(engine, tokenizer, tmp_path):
     wait_idle(engine)
 
 
+def test_a_special_token_the_model_writes_is_not_shown_as_text(engine, tokenizer, tmp_path):
+    """A control token mid-reply (not a stop token, not a marker of the tool format) is left out
+    of the text, as vLLM and llama.cpp leave it: shown as `<|im_start|>`, the client sent it back
+    as text, tokenized as plain characters, and the conversation's cache missed from there."""
+    start = tokenizer.token_to_id("<|im_start|>")
+    script = tokenizer.encode("Sure") + [start] + tokenizer.encode("user thanks")
+    srv = serve(ScriptedEngine(engine, script + [tokenizer.token_to_id("<|im_end|>")]), tokenizer, tmp_path)
+    try:
+        client = anthropic.Anthropic(base_url=srv.url, api_key=TOKENS["alice"], max_retries=0)
+        reply = client.messages.create(model="tiny", max_tokens=100, messages=HELLO)
+        assert reply.content[0].text == "Sureuser thanks"
+        with client.messages.stream(model="tiny", max_tokens=100, messages=HELLO) as stream:
+            assert "".join(stream.text_stream) == "Sureuser thanks"
+    finally:
+        srv.stop()
+    wait_idle(engine)
+
+
 def test_ping_while_waiting_for_the_first_token(engine, tokenizer, tmp_path):
     script = tokenizer.encode("ok") + [2]
     srv = serve(ScriptedEngine(engine, script, delay_s=0.5), tokenizer, tmp_path)

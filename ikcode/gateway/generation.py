@@ -88,7 +88,7 @@ class Generation:
         # No tool may be called: markers the model writes anyway stay text, never a tool_use block.
         parser = gw.renderer.tool_format.new_parser(rendered.tools) if rendered.tools else TextOnlyParser()
         self.builder = ReplyBuilder(
-            gw.tokenizer, gw.renderer.stop_token_ids, stop_sequences, parser, one_call=rendered.one_call
+            gw.tokenizer, gw.renderer.hidden_token_ids, stop_sequences, parser, one_call=rendered.one_call
         )
         self.reader = _EventReader(stream)
         self.stats: RequestStats | None = None

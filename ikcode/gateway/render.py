@@ -105,6 +105,14 @@ class Renderer:
             eot = None
         eos = tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         self.stop_token_ids: tuple[int, ...] = tuple(dict.fromkeys(((eot,) if eot is not None else ()) + eos))
+        # Left out of a reply's text: the stop tokens, and every other control token the model
+        # writes except the markers its tool format and think tags are read by (vLLM and
+        # llama.cpp do the same). Shown, `<|im_start|>` came back as text in the next turn,
+        # tokenized as plain characters: the conversation's cache missed from there on.
+        specials = getattr(tokenizer, "special_token_ids", None) or {}
+        markers = set(self._tag_ids.values())
+        hidden = [i for i in specials.values() if i not in markers]
+        self.hidden_token_ids: tuple[int, ...] = tuple(dict.fromkeys(self.stop_token_ids + tuple(hidden)))
 
     # -- tokenization -------------------------------------------------------------------------
     def _encode(self, text: str, allow_special: bool) -> list[int]:

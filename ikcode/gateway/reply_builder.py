@@ -59,12 +59,12 @@ class ReplyBuilder:
     def __init__(
         self,
         tokenizer: TokenizerLike,
-        stop_token_ids: tuple[int, ...],
+        hidden_ids: tuple[int, ...],  # left out of the text (Renderer.hidden_token_ids)
         stop_sequences: list[str],
         parser: StreamParser | None = None,
         one_call: bool = False,
     ):
-        self._detok = IncrementalDetokenizer(tokenizer, skip_ids=stop_token_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, skip_ids=hidden_ids)
         self._stops = StopSequenceMatcher(stop_sequences)
         self._parser = parser or HermesFormat().new_parser([])
         self._open_tool: int | None = None  # index of the tool_use block being written

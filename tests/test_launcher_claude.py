@@ -59,6 +59,7 @@ def run_ikcode_claude(tmp_path, *args, extra_env=None):
             "RECORD_TO": str(record),
             "ANTHROPIC_API_KEY": "sk-ant-must-not-leak",
             "CLAUDE_CODE_USE_BEDROCK": "1",
+            "ANTHROPIC_CUSTOM_HEADERS": "Proxy-Authorization: Basic c2VjcmV0",
             "ANTHROPIC_MODEL": "claude-opus-4-8",
         }
     )

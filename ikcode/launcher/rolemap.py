@@ -33,6 +33,9 @@ CONFLICTING_VARS: tuple[str, ...] = (
     "CLAUDE_CODE_USE_BEDROCK",
     "CLAUDE_CODE_USE_VERTEX",
     "CLAUDE_CODE_USE_FOUNDRY",
+    # Headers added to every request (a company proxy's credentials): they belong to the user's
+    # own Anthropic traffic, not to this server or a teammate's it may point at.
+    "ANTHROPIC_CUSTOM_HEADERS",
 )
 
 # Claude Code prints `[claude-code:unrecognized_model] {...}` on stderr for every model id it does

@@ -139,3 +139,47 @@ def test_regret_counts_evicted_then_requested():
     d = c.stats.to_dict()
     assert d["prefix_cache_regret_seconds_bucket{le=60}"] == 2
     assert d["prefix_cache_regret_seconds_bucket{le=10}"] == 0
+
+
+class _RecordingStore:
+    """Copies recorded, or refused (a failed device-to-host copy)."""
+
+    def __init__(self, fail: bool = False):
+        self.fail, self.to_host = fail, []
+
+    def copy_device_to_host(self, pairs):
+        if self.fail:
+            raise RuntimeError("device-to-host copy failed")
+        self.to_host.append(list(pairs))
+
+    def copy_host_to_device(self, pairs):
+        pass
+
+
+def test_write_through_does_not_copy_a_key_the_host_already_holds():
+    """An exact repeat of a block-aligned prompt recomputes its last block (the last token always
+    runs): its key was written to the host already, and was copied and counted again."""
+    store = _RecordingStore()
+    cache = PrefixCache(2, 4, 8, store=store, write_through=True)
+    keys = hash_blocks(list(range(8)), 4)
+    for seq in ("a", "b"):
+        cache.allocate(seq, keys, 2, num_tokens=8)
+        cache.release(seq, keys)
+    assert [len(pairs) for pairs in store.to_host] == [2]
+    assert cache.stats.demoted_blocks == 2
+    cache.check_invariants()
+
+
+def test_a_failed_write_through_drops_nothing_still_on_the_device():
+    """The host copies never landed, but the keys were just committed to the device: they are
+    not dropped (no ghost entry, no on_dropped call), as for a host eviction."""
+    dropped: list = []
+    store = _RecordingStore(fail=True)
+    cache = PrefixCache(4, 1, 4, store=store, write_through=True, on_dropped=dropped.append)
+    cache.allocate("s", [b"k1", b"k2"], 2)
+    with pytest.raises(RuntimeError):
+        cache.release("s", [b"k1", b"k2"])
+    assert all(key in cache.pool.index for key in (b"k1", b"k2"))
+    assert not any(key in cache.host.index for key in (b"k1", b"k2"))
+    assert (cache.stats.dropped_blocks, dropped, len(cache.ghost)) == (0, [], 0)
+    cache.check_invariants()

@@ -225,7 +225,7 @@ class PrefixCache:
             if not self.pool.commit(block, key, sharer):
                 continue  # the key lives in another block already; this one will be freed
             self.ghost.discard(key)
-            if self.write_through:
+            if self.write_through and self.host.lookup(key) is None:  # the host may have it already
                 slot, host_evicted = self.host.put(key)
                 self._host_evicted(host_evicted, now)
                 if slot is not None and self.host.slot_hash[slot] == key:
@@ -238,7 +238,9 @@ class PrefixCache:
                 self._unpin_demoted(written)
         except BaseException:
             for _block, slot in written:  # the host copies never landed: forget them
-                self._dropped(self.host.drop(slot), now)
+                key = self.host.drop(slot)
+                if key not in self.pool.index:  # committed to the device just now: not dropped
+                    self._dropped(key, now)
             raise
         finally:  # the sequence is gone from _seqs: its references must go too, whatever happened
             hold_until = now + hold_s if hold_s else None

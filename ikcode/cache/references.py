@@ -1,8 +1,13 @@
 """Reference hit ratios for a block-key trace: the infinite cache and Belady's optimal eviction.
 
 Both take requests as lists of chained block keys (a key implies its whole prefix) and count a
-request's hit as its longest cached prefix, exactly as PrefixCache does. They are the ceilings a
-real policy is judged against, computed over the same requests in the same run.
+request's hit as its longest cached prefix, as PrefixCache does. They are the ceilings a real
+policy is judged against, computed over the same requests in the same run.
+
+One difference, kept on purpose: a request's last block may hit here, as in the published
+Mooncake replay figures these reproduce (tests/test_cache_trace_replay.py), while PrefixCache
+always recomputes the block holding the prompt's last token. A repeat of a block-aligned prompt
+is therefore one block short of the bounds whatever the policy.
 """
 
 from __future__ import annotations

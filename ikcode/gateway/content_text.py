@@ -26,30 +26,49 @@ def unguarded(text: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class Guards:
+    """How client strings are guarded (Renderer): text, and a tool's name (which lands inside
+    role markers, so every special token string in it is guarded)."""
+
+    text: Callable[[str], str] = unguarded
+    name: Callable[[str], str] = unguarded
+
+
 def user_items(
     content: list[Any],
     names: dict[str, str],
     deferred: dict[str, Any],
-    guard: Callable[[str], str] = unguarded,
+    guards: Guards = Guards(),
+    joiner: str = "\n",
 ) -> list[tuple[str, Any]]:
-    """guard: applied to every string the client wrote (Renderer.guard keeps the tool format's
-    markers in it from becoming control tokens)."""
+    """A user turn's items. Adjacent texts are joined with the format's joiner before they are
+    guarded: joined with "" after, "x <tool_" and "call>" made a marker no guard had seen."""
     items: list[tuple[str, Any]] = []
+    texts: list[str] = []
+
+    def flush() -> None:
+        if texts:
+            items.append(("text", guards.text(joiner.join(texts))))
+            texts.clear()
+
     for block in content:
         kind = block.type
         if kind == "text":
-            items.append(("text", guard(block.text)))
+            texts.append(block.text)
+        elif kind == "document":
+            texts.append(document_text(block))
         elif kind == "tool_result":
-            name = guard(names.get(block.tool_use_id, ""))
-            text = guard(result_text(block.content, deferred))
+            flush()
+            name = guards.name(names.get(block.tool_use_id, ""))
+            text = guards.text(result_text(block.content, deferred))
             items.append(("result", ResultItem(block.tool_use_id, name, text, bool(block.is_error))))
         elif kind == "image":
             raise invalid_request("image content is not supported: the served model reads text only")
-        elif kind == "document":
-            items.append(("text", guard(document_text(block))))
         elif kind in ("tool_use", "server_tool_use"):
             raise invalid_request("messages: tool_use blocks may only appear in assistant messages")
         # thinking blocks in a user turn carry nothing for the model
+    flush()
     return items
 
 
@@ -58,11 +77,11 @@ def user_text(
     names: dict[str, str],
     deferred: dict[str, Any],
     tool_format: ToolFormat,
-    guard: Callable[[str], str] = unguarded,
+    guards: Guards = Guards(),
 ) -> str:
     if isinstance(content, str):
-        return guard(content)
-    return tool_format.user_text(user_items(content, names, deferred, guard))
+        return guards.text(content)
+    return tool_format.user_text(user_items(content, names, deferred, guards, tool_format.text_joiner))
 
 
 def result_text(content: str | list[Any] | None, deferred: dict[str, Any]) -> str:
@@ -107,22 +126,18 @@ def system_message_text(content: str | list[Any]) -> str:
     return "\n".join(block.text for block in content if block.type == "text")
 
 
-def assistant_text(
-    content: str | list[Any], tool_format: ToolFormat, guard: Callable[[str], str] = unguarded
-) -> str:
-    """guard: as in user_items, for the turn as the client sends it back (text, thinking, and a
-    call's name and every string of its input)."""
+def assistant_text(content: str | list[Any], tool_format: ToolFormat) -> str:
     if isinstance(content, str):  # the same turn as one text block (harmony frames it)
-        return tool_format.assistant_text([("text", guard(content))])
+        return tool_format.assistant_text([("text", content)])
     items: list[tuple[str, Any]] = []
     for block in content:
         kind = block.type
         if kind == "text":
-            items.append(("text", guard(block.text)))
+            items.append(("text", block.text))
         elif kind in ("tool_use", "server_tool_use"):
-            items.append(("call", CallItem(block.id, guard(block.name), guard_strings(block.input, guard))))
+            items.append(("call", CallItem(block.id, block.name, block.input)))
         elif kind == "thinking":
-            items.append(("thinking", guard(block.thinking)))
+            items.append(("thinking", block.thinking))
         elif kind in ("tool_result", "image", "document"):
             raise invalid_request(f"messages: {kind} blocks may not appear in assistant messages")
     return tool_format.assistant_text(items)

@@ -29,6 +29,7 @@ from typing import Any
 
 from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
 from ikcode.gateway.content_text import (
+    Guards,
     assistant_text,
     call_names,
     guard_strings,
@@ -98,6 +99,13 @@ class Renderer:
         self._piece_re = re.compile(f"({_GUARDED.pattern}{tag_alternatives})")
         self._tag_starts = {t[0] for t in self._tag_ids}
         self.guard: Callable[[str], str] = self._guard if self._tag_re is not None else unguarded
+        # A tool's name lands inside role markers (encoded with special tokens allowed): every
+        # special token string in it is guarded, not only the format's markers.
+        names = set(getattr(tokenizer, "special_token_ids", None) or {}) | set(self._tag_ids)
+        self._special_re = (
+            re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True)))) if names else None
+        )
+        self._guards = Guards(self.guard, self._guard_name)
         # The template's end-of-turn token stops generation, unless the format's messages end
         # with it inside a turn (harmony's <|end|> closes its reasoning too: see tokenizer.py).
         eot = tokenizer.token_to_id(fmt.end_of_turn) if fmt.end_of_turn else None
@@ -139,6 +147,12 @@ class Renderer:
         if not any(c in text for c in self._tag_starts):
             return text
         return self._tag_re.sub(lambda m: GUARD_OPEN + m.group(0) + GUARD_CLOSE, text)
+
+    def _guard_name(self, name: str) -> str:
+        if self._special_re is None:
+            return name
+        name = name.replace(GUARD_OPEN, "\ufffd").replace(GUARD_CLOSE, "\ufffd")
+        return self._special_re.sub(lambda m: GUARD_OPEN + m.group(0) + GUARD_CLOSE, name)
 
     def _encode_plain(self, text: str) -> list[int]:
         """A turn's text: the format's markers in it are its control tokens, guarded spans and
@@ -255,8 +269,8 @@ class Renderer:
         sys_prefix = self.format.prefix["system"]
         if listed:
             tools_text = self.tool_format.tools_text(listed)
-            if choice := choice_text(tool_choice):
-                tools_text += "\n\n" + choice
+            if choice := choice_text(tool_choice):  # it names a tool: client text
+                tools_text += "\n\n" + self.guard(choice)
             sys_text = self.tool_format.system_text(sys_text, tools_text)
             sys_prefix = self.tool_format.system_prefix(sys_prefix)
         if sys_text and sys_prefix != self.format.prefix["system"]:
@@ -293,7 +307,9 @@ class Renderer:
                 # Keyed by the very text it renders to (the store is shared by every user and
                 # conversation): a key of the blocks (sorted inputs, empty texts skipped) gave
                 # two turns rendering differently one key, and one took the other's tokens.
-                text = assistant_text(content, self.tool_format, self.guard)
+                # Not guarded: the model's own words, sent back. Its think tags and markers were
+                # control tokens when it wrote them, and must render as the ids it generated.
+                text = assistant_text(content, self.tool_format)
                 key = digest(b"assistant\x00" + text.encode())
                 seg, n = self._segment("assistant", key, lambda: text, not prefill)
             # An assistant turn's tokens are the generated ids while the store remembers them,
@@ -305,7 +321,7 @@ class Renderer:
             seg, n = self._marked_segment(key, parts)
         else:
             if role == "user":
-                text = user_text(content, names, deferred, self.tool_format, self.guard)
+                text = user_text(content, names, deferred, self.tool_format, self._guards)
             else:
                 text = self.guard(system_message_text(content))
             key = digest(role.encode() + b"\x00" + text.encode())
@@ -353,7 +369,7 @@ class Renderer:
         (prefix, body, suffix) texts, None for the user's markers. None: a plain user turn."""
         if isinstance(content, str) or not any(block.type == "tool_result" for block in content):
             return None
-        items = user_items(content, names, deferred, self.guard)
+        items = user_items(content, names, deferred, self._guards, self.tool_format.text_joiner)
         results = [value for kind, value in items if kind == "result"]
         turns = self.tool_format.result_turns(results)
         if turns is None:

@@ -129,6 +129,7 @@ class ToolFormat:
     name = "base"
     # Strings that some vocabularies hold as single tokens: kept whole when rendering text.
     markers: tuple[str, ...] = ()
+    text_joiner = "\n"  # between a user turn's text blocks (user_text)
     # End-of-message tokens that also close messages inside a turn (reasoning, a call's header):
     # not stop tokens, whatever the template's turns end with.
     ends_messages_not_turns: tuple[str, ...] = ()

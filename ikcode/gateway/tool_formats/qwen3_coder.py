@@ -50,11 +50,18 @@ def _as_text(value: Any) -> str:
     return dumps(value) if isinstance(value, dict | list) else str(value)
 
 
+_TAG_NAMES = ("tool_call", "tool_response")
+
+
 def _extra_keys(fields: Any, handled: tuple[str, ...]) -> str:
     if not isinstance(fields, dict):
         return ""
+    # A key spelling a tag (`tool_call`, or anything with < or >) is left out: written as
+    # <key>, a tool definition's schema would make the format's own control tokens.
     return "".join(
-        f"\n<{key}>{_as_text(value)}</{key}>" for key, value in fields.items() if key not in handled
+        f"\n<{key}>{_as_text(value)}</{key}>"
+        for key, value in fields.items()
+        if key not in handled and key not in _TAG_NAMES and not set(str(key)) & {"<", ">"}
     )
 
 
@@ -168,6 +175,7 @@ class XmlCallBody:
 class Qwen3CoderFormat(ToolFormat):
     name = "qwen3_coder"
     markers = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    text_joiner = ""
 
     def tools_text(self, tools: list[dict[str, Any]]) -> str:
         text = TOOLS_INTRO

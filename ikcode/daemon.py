@@ -243,6 +243,11 @@ def last_log_line(path: Path) -> str:
     return lines[-1] if lines else ""
 
 
+# Set in the environment of a server `ikcode up` spawns: the launcher holds the start lock until
+# that server answers, so the server must not wait for the lock itself.
+SPAWNED_ENV = "IKCODE_SPAWNED_BY"
+
+
 def start_background(
     child_args: list[str],
     host: str,
@@ -265,7 +270,8 @@ def start_background(
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            env={**os.environ, server_log.ENV_VAR: str(log)},  # it keeps the file's size bounded
+            # SPAWNED_ENV: this process holds the start lock while the child starts (stack.py).
+            env={**os.environ, server_log.ENV_VAR: str(log), SPAWNED_ENV: str(os.getpid())},
         )
     state = ServerState(proc.pid, host, port, url, profile, str(log), time.time(), process_identity(proc.pid))
     write_state(state)

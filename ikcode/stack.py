@@ -206,11 +206,11 @@ def serve_foreground(profile: Profile, port: int, model_path: str | None = None)
     except ValueError as err:
         raise daemon.DaemonError(str(err)) from None
     url = profile.model_copy(update={"endpoint": profile.endpoint.model_copy(update={"port": port})}).base_url
-    running = daemon.read_state()
-    # Spawned by `ikcode up` or a launcher: it wrote this state, and holds the start lock until
-    # this server answers. Run by hand: take the lock for the check and the claim, so that two
-    # started at once do not both pass the check and load a model for one port.
-    spawned = running is not None and running.pid == os.getpid()
+    # Spawned by `ikcode up` or a launcher: it holds the start lock until this server answers
+    # (the environment says so; its state file may not be written yet). Run by hand: take the lock
+    # for the check and the claim, so that two started at once do not both pass the check and
+    # load a model for one port.
+    spawned = os.environ.pop(daemon.SPAWNED_ENV, None) is not None
     with contextlib.nullcontext() if spawned else daemon.start_lock():
         _claim_server(profile, host, port, url)
     daemon.drain_file().unlink(missing_ok=True)  # a timeout left by an earlier `ikcode down`

@@ -209,3 +209,28 @@ def test_up_in_the_foreground_takes_the_start_lock(tmp_path):
     finally:
         by_hand.kill()
         daemon.clear_state(os.getpid())
+
+
+def test_a_server_ikcode_up_spawned_does_not_wait_for_the_lock_its_launcher_holds(tmp_path):
+    """`ikcode up` holds the start lock until the server it spawned answers, and writes the state
+    file only after the spawn: a child that looked for its own pid there (and not finding it yet,
+    waited for the lock) hung the start for its 600 s timeout."""
+    port = free_port()
+    profile = str(local_profile(tmp_path, port))
+    env = dict(os.environ, **{daemon.SPAWNED_ENV: str(os.getpid())})
+    with daemon.start_lock():  # the launcher's, held; no state written yet
+        child = subprocess.Popen(
+            [sys.executable, "-m", "ikcode", "up", "--foreground", "--profile", profile],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 30
+            while daemon.read_state() is None and time.monotonic() < deadline:
+                assert child.poll() is None, "the server exited"
+                time.sleep(0.1)
+            state = daemon.read_state()
+            assert state is not None and state.pid == child.pid, "it waited for the launcher's lock"
+        finally:
+            child.terminate()
+            child.wait(30)
+            daemon.clear_state(child.pid)

@@ -172,3 +172,24 @@ def test_the_models_own_think_tags_sent_back_render_as_it_wrote_them():
     for format_name in ("hermes", "qwen3_coder"):
         guarded = Renderer(tokenizer, tool_format=FORMATS[format_name]())
         assert control_tokens(tokenizer, render(guarded, body).token_ids).count("<think>") == 1
+
+
+def test_a_guarded_name_is_decoded_where_the_vocabulary_has_no_marker_of_the_format():
+    """A name's special token strings are guarded even when none of the format's markers is a
+    token: the pieces were then encoded whole, guard characters and all, into the prompt."""
+    tokenizer = Tokenizer.from_vocab(special_tokens=CHATML)
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "Read<|im_start|>x", "input": {}}],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]},
+    ]
+    ids = render(Renderer(tokenizer, tool_format=FORMATS["harmony"]()), {"messages": messages}).token_ids
+    clean = render(
+        Renderer(tokenizer, tool_format=FORMATS["harmony"]()),
+        {"messages": _replace(messages, "<|im_start|>", "")},
+    ).token_ids
+    assert GUARD_OPEN not in tokenizer.decode(ids)
+    assert control_tokens(tokenizer, ids) == control_tokens(tokenizer, clean)

@@ -64,6 +64,20 @@ _GUARDS = {GUARD_OPEN, GUARD_CLOSE}
 _GUARDED = re.compile(f"{GUARD_OPEN}[^{GUARD_CLOSE}]*{GUARD_CLOSE}")
 
 
+def _alternation(strings: Any) -> re.Pattern[str] | None:
+    """A pattern matching any of strings, longest first (None: nothing to match)."""
+    ordered = sorted(strings, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+
+def _wrapped(pattern: re.Pattern[str], text: str) -> str:
+    """text with each match of pattern between the guard characters; guard characters the client
+    sent are replaced first, so that a span it opens cannot swallow the format's markup."""
+    if GUARD_OPEN in text or GUARD_CLOSE in text:
+        text = text.replace(GUARD_OPEN, "\ufffd").replace(GUARD_CLOSE, "\ufffd")
+    return pattern.sub(lambda m: GUARD_OPEN + m.group(0) + GUARD_CLOSE, text)
+
+
 class Renderer:
     def __init__(
         self,
@@ -93,18 +107,16 @@ class Renderer:
         self._prefix_ids["assistant"] = self._gen_ids = self._encode(fmt.generation_prompt, True)
         tags = _TAGS + self.tool_format.markers
         self._tag_ids = {t: i for t in tags if (i := tokenizer.token_to_id(t)) is not None}
-        self._tag_re = re.compile("|".join(map(re.escape, self._tag_ids))) if self._tag_ids else None
+        specials = getattr(tokenizer, "special_token_ids", None) or {}
+        self._tag_re = _alternation(self._tag_ids)
+        # A tool's name lands inside role markers (encoded with special tokens allowed): every
+        # special token string in it is guarded, not only the format's markers.
+        self._special_re = _alternation(set(specials) | set(self._tag_ids))
         # A piece of text split out of a prompt: a guarded span, a tag, or the text between them.
         tag_alternatives = "".join(f"|{re.escape(t)}" for t in self._tag_ids)
         self._piece_re = re.compile(f"({_GUARDED.pattern}{tag_alternatives})")
         self._tag_starts = {t[0] for t in self._tag_ids}
         self.guard: Callable[[str], str] = self._guard if self._tag_re is not None else unguarded
-        # A tool's name lands inside role markers (encoded with special tokens allowed): every
-        # special token string in it is guarded, not only the format's markers.
-        names = set(getattr(tokenizer, "special_token_ids", None) or {}) | set(self._tag_ids)
-        self._special_re = (
-            re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True)))) if names else None
-        )
         self._guards = Guards(self.guard, self._guard_name)
         # The template's end-of-turn token stops generation, unless the format's messages end
         # with it inside a turn (harmony's <|end|> closes its reasoning too: see tokenizer.py).
@@ -117,7 +129,6 @@ class Renderer:
         # writes except the markers its tool format and think tags are read by (vLLM and
         # llama.cpp do the same). Shown, `<|im_start|>` came back as text in the next turn,
         # tokenized as plain characters: the conversation's cache missed from there on.
-        specials = getattr(tokenizer, "special_token_ids", None) or {}
         markers = set(self._tag_ids.values())
         hidden = [i for i in specials.values() if i not in markers]
         self.hidden_token_ids: tuple[int, ...] = tuple(dict.fromkeys(self.stop_token_ids + tuple(hidden)))
@@ -142,17 +153,12 @@ class Renderer:
         format's own markup uses (a file holding `<|end|><|start|>system<|message|>` would
         otherwise forge a system turn). Guard characters the client sent are replaced."""
         assert self._tag_re is not None
-        if GUARD_OPEN in text or GUARD_CLOSE in text:
-            text = text.replace(GUARD_OPEN, "\ufffd").replace(GUARD_CLOSE, "\ufffd")
-        if not any(c in text for c in self._tag_starts):
+        if not any(c in text for c in self._tag_starts | _GUARDS):
             return text
-        return self._tag_re.sub(lambda m: GUARD_OPEN + m.group(0) + GUARD_CLOSE, text)
+        return _wrapped(self._tag_re, text)
 
     def _guard_name(self, name: str) -> str:
-        if self._special_re is None:
-            return name
-        name = name.replace(GUARD_OPEN, "\ufffd").replace(GUARD_CLOSE, "\ufffd")
-        return self._special_re.sub(lambda m: GUARD_OPEN + m.group(0) + GUARD_CLOSE, name)
+        return name if self._special_re is None else _wrapped(self._special_re, name)
 
     def _encode_plain(self, text: str) -> list[int]:
         """A turn's text: the format's markers in it are its control tokens, guarded spans and
@@ -166,7 +172,8 @@ class Renderer:
     def _encode_pieces(self, text: str, allow_special: bool) -> list[int]:
         if not text:
             return []
-        if self._tag_re is None or not any(c in text for c in self._tag_starts | _GUARDS):
+        # Guarded spans come from names too (_guard_name), with or without tags in the vocabulary.
+        if not any(c in text for c in self._tag_starts | _GUARDS):
             return self._encode(text, allow_special)
         ids: list[int] = []
         for piece in self._piece_re.split(text):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from ikcode.doctor.context import DoctorContext
 from ikcode.doctor.result import CheckResult, passed, warned
@@ -19,31 +20,25 @@ GAUGES = (
     "waiting",
 )
 
-RANK_GAUGE = re.compile(r'^ikcode_engine_rank_kv_blocks_total\{rank="(?P<rank>\d+)"\}\s+(?P<value>\S+)')
+RANK_GAUGE = "ikcode_engine_rank_kv_blocks_total"
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Unlabelled gauges of the Prometheus text format, by name."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#") or "{" in line:
-            continue
-        parts = line.split()
-        if len(parts) >= 2:
-            try:
-                values[parts[0]] = float(parts[1])
-            except ValueError:
-                continue
-    return values
+def _samples(text: str) -> list[Any]:
+    """Every sample of a Prometheus text exposition (prometheus_client's own parser)."""
+    try:
+        return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    except ValueError:  # not the exposition format: nothing read
+        return []
 
 
-def rank_blocks(text: str) -> list[float]:
+def unlabelled(samples: list[Any]) -> dict[str, float]:
+    """Unlabelled samples by name."""
+    return {sample.name: sample.value for sample in samples if not sample.labels}
+
+
+def rank_blocks(samples: list[Any]) -> list[float]:
     """ikcode_engine_rank_kv_blocks_total by rank, in rank order (empty: not exported)."""
-    ranks: dict[int, float] = {}
-    for line in text.splitlines():
-        match = RANK_GAUGE.match(line)
-        if match:
-            ranks[int(match["rank"])] = float(match["value"])
+    ranks = {int(s.labels["rank"]): s.value for s in samples if s.name == RANK_GAUGE and "rank" in s.labels}
     return [ranks[r] for r in sorted(ranks)]
 
 
@@ -76,7 +71,8 @@ def _plan_summary(ctx: DoctorContext) -> dict[str, Any] | None:
 
 def check_capacity(ctx: DoctorContext) -> CheckResult:
     response = ctx.client.get("/metrics")
-    metrics = parse_metrics(response.text) if response.status_code == 200 else {}
+    samples = _samples(response.text) if response.status_code == 200 else []
+    metrics = unlabelled(samples)
     engine = {k: metrics.get(f"ikcode_engine_{k}") for k in GAUGES}
     planned = _plan_summary(ctx)
     data: dict[str, Any] = {"engine": engine, "plan": planned}
@@ -96,7 +92,7 @@ def check_capacity(ctx: DoctorContext) -> CheckResult:
     window = ctx.context_window or ctx.profile.context_window
     # A conversation's KV lives on one rank: count whole windows rank by rank (two ranks of 0.6
     # windows each hold none, not 1.2).
-    ranks = rank_blocks(response.text) if response.status_code == 200 else []
+    ranks = rank_blocks(samples)
     per_rank = [blocks * block / window if window else 0 for blocks in (ranks or [total])]
     fits = sum(int(w) for w in per_rank) if len(per_rank) > 1 else per_rank[0]
     data["window_conversations_on_device"] = round(fits, 2)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from ikcode.gateway.render import GUARD_OPEN, Renderer
+from ikcode.gateway.marker_guard import GUARD_OPEN
+from ikcode.gateway.render import Renderer
 from ikcode.gateway.tool_formats import FORMATS
 from ikcode.model.tokenizer import Tokenizer
 from tests.test_gateway_render import render

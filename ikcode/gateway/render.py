@@ -42,6 +42,7 @@ from ikcode.gateway.content_text import (
 )
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
+from ikcode.gateway.marker_guard import GUARD_OPEN, GUARDED, GUARDS, alternation, wrapped
 from ikcode.gateway.previous_render import PreviousRender, TurnReads, same_turn, turn_reads
 from ikcode.gateway.prompt_chain import (
     PromptBuild,
@@ -57,25 +58,6 @@ BODY_BYTES_PER_TOKEN = 4
 # Tag strings that some vocabularies hold as single tokens (Qwen): kept whole when present; the
 # tool format adds its own markers.
 _TAGS = ("<think>", "</think>")
-# Around a marker string found in client text (Renderer.guard): Unicode noncharacters, which no
-# text in interchange holds.
-GUARD_OPEN, GUARD_CLOSE = "\ufdd0", "\ufdd1"
-_GUARDS = {GUARD_OPEN, GUARD_CLOSE}
-_GUARDED = re.compile(f"{GUARD_OPEN}[^{GUARD_CLOSE}]*{GUARD_CLOSE}")
-
-
-def _alternation(strings: Any) -> re.Pattern[str] | None:
-    """A pattern matching any of strings, longest first (None: nothing to match)."""
-    ordered = sorted(strings, key=len, reverse=True)
-    return re.compile("|".join(map(re.escape, ordered))) if ordered else None
-
-
-def _wrapped(pattern: re.Pattern[str], text: str) -> str:
-    """text with each match of pattern between the guard characters; guard characters the client
-    sent are replaced first, so that a span it opens cannot swallow the format's markup."""
-    if GUARD_OPEN in text or GUARD_CLOSE in text:
-        text = text.replace(GUARD_OPEN, "\ufffd").replace(GUARD_CLOSE, "\ufffd")
-    return pattern.sub(lambda m: GUARD_OPEN + m.group(0) + GUARD_CLOSE, text)
 
 
 class Renderer:
@@ -108,13 +90,13 @@ class Renderer:
         tags = _TAGS + self.tool_format.markers
         self._tag_ids = {t: i for t in tags if (i := tokenizer.token_to_id(t)) is not None}
         specials = getattr(tokenizer, "special_token_ids", None) or {}
-        self._tag_re = _alternation(self._tag_ids)
+        self._tag_re = alternation(self._tag_ids)
         # A tool's name lands inside role markers (encoded with special tokens allowed): every
         # special token string in it is guarded, not only the format's markers.
-        self._special_re = _alternation(set(specials) | set(self._tag_ids))
+        self._special_re = alternation(set(specials) | set(self._tag_ids))
         # A piece of text split out of a prompt: a guarded span, a tag, or the text between them.
         tag_alternatives = "".join(f"|{re.escape(t)}" for t in self._tag_ids)
-        self._piece_re = re.compile(f"({_GUARDED.pattern}{tag_alternatives})")
+        self._piece_re = re.compile(f"({GUARDED.pattern}{tag_alternatives})")
         self._tag_starts = {t[0] for t in self._tag_ids}
         self.guard: Callable[[str], str] = self._guard if self._tag_re is not None else unguarded
         self._guards = Guards(self.guard, self._guard_name)
@@ -153,12 +135,12 @@ class Renderer:
         format's own markup uses (a file holding `<|end|><|start|>system<|message|>` would
         otherwise forge a system turn). Guard characters the client sent are replaced."""
         assert self._tag_re is not None
-        if not any(c in text for c in self._tag_starts | _GUARDS):
+        if not any(c in text for c in self._tag_starts | GUARDS):
             return text
-        return _wrapped(self._tag_re, text)
+        return wrapped(self._tag_re, text)
 
     def _guard_name(self, name: str) -> str:
-        return name if self._special_re is None else _wrapped(self._special_re, name)
+        return name if self._special_re is None else wrapped(self._special_re, name)
 
     def _encode_plain(self, text: str) -> list[int]:
         """A turn's text: the format's markers in it are its control tokens, guarded spans and
@@ -173,7 +155,7 @@ class Renderer:
         if not text:
             return []
         # Guarded spans come from names too (_guard_name), with or without tags in the vocabulary.
-        if not any(c in text for c in self._tag_starts | _GUARDS):
+        if not any(c in text for c in self._tag_starts | GUARDS):
             return self._encode(text, allow_special)
         ids: list[int] = []
         for piece in self._piece_re.split(text):

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from ikcode.engines.base import EngineRequest, FinishReason, LifecycleKind, SamplingParams
+from tests.deepinfer_build.cpu_runtime import ENV_STEP_SECONDS
 from tests.deepinfer_build.harness import (
     assert_no_leaks,
     finished_normally,
@@ -282,7 +283,10 @@ def test_a_request_that_cannot_fit_yet_does_not_empty_the_gpu_tier(tmp_path):
     """A big prompt waiting for a running request's blocks: evicting every cached block could not
     make room for it, and the eviction emptied the GPU tier all the same, each time the waiting
     request was looked at (the next turn of a cached conversation then read cold)."""
-    engine = real_engine(tmp_path, blocks=64, gpu_tier_fraction=0.6, prime_min_tokens=0)
+    # 10 ms a step: the hog's 600 tokens take at least 6 s, so it is still running when "big" is
+    # looked at (unslowed, a quiet machine ran all 600 in under the 1 s the test waits)
+    slow = {"environment": {ENV_STEP_SECONDS: "0.01"}}
+    engine = real_engine(tmp_path, blocks=64, gpu_tier_fraction=0.6, prime_min_tokens=0, **slow)
     admitted = admissions(engine)
     try:  # 63 usable blocks, 8 kept free for the prefill watermark
         _, final = run(engine, "c1", random_tokens(1800, 71), max_tokens=8, session="c")  # 14 cached
@@ -295,6 +299,7 @@ def test_a_request_that_cannot_fit_yet_does_not_empty_the_gpu_tier(tmp_path):
         big = submit(engine, "big", random_tokens(5000, 73), 4, "b")  # 40 + 8: more than 63 - 24
         time.sleep(1.0)  # steps go by with "big" waiting
         (waiting,) = engine.check()
+        assert waiting["live"] == 2, waiting  # the hog still runs, holding its blocks
         assert "big" not in admitted and waiting["pending"] == 1, waiting
         assert waiting["blocks_pinned"] == cached, waiting  # the cache kept what it held
         engine.abort("big")

@@ -138,3 +138,22 @@ def test_a_failed_commit_is_counted_and_logged_not_swallowed(tmp_path, capfd):
         assert "cache commit failed in finalize_seq (RuntimeError" in capfd.readouterr().err  # the rank's log
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_shutdown_with_a_live_request_ends_it_and_no_reader_thread_dies(tmp_path, monkeypatch):
+    """At shutdown the rank ends each live request with EngineShutdown and sends it through its
+    pipe; the error did not unpickle, and the thread that reads the pipe died of it."""
+    from tests.deepinfer_build.cpu_runtime import ENV_STEP_SECONDS
+
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    engine = real_engine(tmp_path, environment={ENV_STEP_SECONDS: "0.01"}, prime_min_tokens=0)
+    decoding = threading.Event()
+    engine.add_listener(lambda event: event.kind is LifecycleKind.FIRST_TOKEN and decoding.set())
+    stream = submit(engine, "long", random_tokens(500, 21), max_tokens=5000)
+    assert decoding.wait(60)
+    engine.shutdown(drain_timeout_s=0.2)
+    _, final = stream.collect(30)
+    assert final.finish_reason in (FinishReason.ABORT, FinishReason.ERROR), final
+    assert "shutting down" in str(final.error)
+    assert died == []

@@ -331,3 +331,28 @@ def test_rope_tables_cover_the_window_the_pool_can_hold_not_the_files_context_le
         _serves(engine)
     finally:
         engine.shutdown(drain_timeout_s=5)
+
+
+def test_every_engine_error_survives_the_pipe_from_a_rank():
+    """A DeepInfer rank pickles the error that ends a request; pickle rebuilds an exception as
+    cls(*args), which EngineShutdown() refused, and the exception killed the gateway's reader
+    thread at each shutdown with a live request."""
+    import pickle
+
+    from ikcode.engines import errors
+
+    samples = [
+        EngineError("x"),
+        PromptTooLong(9000, 8192),
+        EmptyPrompt(),
+        TokenOutOfVocab(70000, 65536, 3),
+        InvalidSampling("max_tokens must be > 0"),
+        errors.EngineOverloaded("no KV memory", retry_after_s=7),
+        EngineShutdown(),
+    ]
+    defined = {c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, EngineError)}
+    assert defined == {type(s) for s in samples}  # a new error class needs a sample here
+    for sample in samples:
+        back = pickle.loads(pickle.dumps(sample))
+        assert type(back) is type(sample) and str(back) == str(sample)
+        assert vars(back) == vars(sample)

@@ -228,3 +228,28 @@ def test_qwen3_coder_a_string_parameter_keeps_the_text_null():
     assert parse("qwen3_coder", [reply]) == ("", [("Read", {"path": "null"})])
     sleep = "<tool_call>\n<function=Sleep>\n<parameter=s>\nnull\n</parameter>\n</function>\n</tool_call>"
     assert parse("qwen3_coder", [sleep]) == ("", [("Sleep", {"s": None})])  # a number's null stays null
+
+
+def test_a_qwen3_coder_value_that_mentions_its_end_tag_is_kept_whole():
+    """A Write of a file that mentions </parameter> (an XML tool format's own code): the value
+    ended at the first one, the call ran with a truncated file and the rest became text. Only a
+    </parameter> that the next parameter or the call's end follows closes the value."""
+    content = 'END = "</parameter>"\nif tail.endswith("</parameter>"):\n    pass'
+    reply = (
+        "<tool_call>\n<function=Read>\n<parameter=path>\n"
+        + content
+        + "\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse_every_split("qwen3_coder", reply) == ("", [("Read", {"path": content})])
+    no_function_close = (
+        "<tool_call>\n<function=Read>\n<parameter=path>\n" + content + "\n</parameter>\n</tool_call>"
+    )
+    assert parse_every_split("qwen3_coder", no_function_close) == ("", [("Read", {"path": content})])
+    two = (
+        "<tool_call>\n<function=Bash>\n<parameter=command>\necho '</parameter> x'\n</parameter>\n"
+        "<parameter=path>\n/a\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse_every_split("qwen3_coder", two) == (
+        "",
+        [("Bash", {"command": "echo '</parameter> x'", "path": "/a"})],
+    )

@@ -43,6 +43,20 @@ _FUNCTION = re.compile(r"<function=([^>\n]*)>")
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>")
 _PARAMETER_END = re.compile(r"</parameter>|<parameter=|</function>")
 _LONGEST_END = len("</parameter>")  # an end marker may begin this many characters back, less one
+# What the template writes after a parameter's </parameter>: the next parameter or the call's end.
+_AFTER_PARAMETER = ("<parameter=", "</function>", "</tool_call>")
+
+
+def _closes_value(buf: str, after: int, final: bool) -> bool | None:
+    """Whether the </parameter> ending at `after` ends the value: only if the next parameter or
+    the call's end follows it (a file that mentions </parameter> is a value that holds it). None:
+    not known until more text arrives."""
+    rest = buf[after:].lstrip()
+    if rest.startswith(_AFTER_PARAMETER):
+        return True
+    if any(marker.startswith(rest) for marker in _AFTER_PARAMETER):  # "" included
+        return True if final else None
+    return False
 
 
 def _as_text(value: Any) -> str:
@@ -111,6 +125,7 @@ class XmlCallBody:
         # a time took seconds of the event loop.
         self._open: int | None = None
         self._scan_from = 0
+        self._maybe_closed = False  # the open value's last </parameter> may be its end
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
@@ -141,21 +156,29 @@ class XmlCallBody:
         """Inside a parameter's value (opened, not ended): a </tool_call> here is the value's
         text (a Write of code about tool calls), not the end of the call. The template closes
         every parameter before the call ends."""
-        return self.call.name is not None and self._open is not None
+        return self.call.name is not None and self._open is not None and not self._maybe_closed
 
     def _parameters(self, final: bool) -> list[ParseEvent]:
         events: list[ParseEvent] = []
         while True:
             start = _PARAMETER.search(self._buf)
             if start is None or self._buf.find("</function>", 0, start.start()) >= 0:
-                self._open = None
+                self._open, self._maybe_closed = None, False
                 return events  # none left in this function
             end = _PARAMETER_END.search(self._buf, max(start.end(), self._scan_from))
-            if end is None and not final:
-                self._open = start.end()
-                self._scan_from = max(start.end(), len(self._buf) - _LONGEST_END + 1)
+            closes = None if end is None else True
+            while end is not None and end.group() == "</parameter>":
+                closes = _closes_value(self._buf, end.end(), final)
+                if closes is not False:
+                    break
+                end = _PARAMETER_END.search(self._buf, end.end())  # the value's own text
+            if (end is None or closes is None) and not final:
+                self._open, self._maybe_closed = start.end(), end is not None
+                self._scan_from = (
+                    end.start() if end is not None else max(start.end(), len(self._buf) - _LONGEST_END + 1)
+                )
                 return events
-            self._open, self._scan_from = None, 0
+            self._open, self._scan_from, self._maybe_closed = None, 0, False
             stop = end.start() if end is not None else len(self._buf)
             value = self._buf[start.end() : stop]
             value = value[1:] if value.startswith("\n") else value

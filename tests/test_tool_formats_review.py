@@ -253,3 +253,14 @@ def test_a_qwen3_coder_value_that_mentions_its_end_tag_is_kept_whole():
         "",
         [("Bash", {"command": "echo '</parameter> x'", "path": "/a"})],
     )
+
+
+def test_mistral_text_after_the_calls_array_is_the_replys_text():
+    """Everything after the array's "]" was dropped: the model's words after its calls were lost."""
+    call = '[TOOL_CALLS] [{"name": "Read", "arguments": {"path": "/a"}}]'
+    assert parse_every_split("mistral", call + " Reading it now, then the tests.") == (
+        "Reading it now, then the tests.",
+        [("Read", {"path": "/a"})],
+    )
+    assert parse_every_split("mistral", call + "\n") == ("", [("Read", {"path": "/a"})])
+    assert parse("mistral", ["[TOOL_CALLS] [] so ", "no call"]) == ("[TOOL_CALLS] [] so no call", [])

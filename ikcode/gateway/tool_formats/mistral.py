@@ -18,6 +18,7 @@ from ikcode.gateway.tool_formats.base import (
     CallItem,
     ParseEvent,
     ResultItem,
+    TextPiece,
     ToolFormat,
     TurnMarkers,
     dumps,
@@ -39,12 +40,13 @@ class MistralCallsBody:
     """What follows [TOOL_CALLS]: `[{...}, {...}]`, or `name{...}` / `name[ARGS]{...}` (v11+)."""
 
     def __init__(self) -> None:
-        self._mode = "start"  # start -> array | named
+        self._mode = "start"  # start -> array | named; array -> after (text past its "]")
         self._buf = ""
         self._call: JsonCallParser | None = None
         self._named: CallAssembler | None = None
         self._scanner: ObjectScanner | None = None
         self._num_calls = 0
+        self._text_after = False  # text after the calls has begun (later whitespace is its own)
 
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
@@ -61,9 +63,11 @@ class MistralCallsBody:
             elif self._mode == "array":
                 if self._call is None:
                     stripped = self._buf.lstrip().lstrip(",").lstrip()
-                    if not stripped or stripped[0] != "{":
-                        self._buf = ""  # "]" or junk after the calls
+                    if not stripped:
                         return out
+                    if stripped[0] != "{":  # the array's "]", or whatever the model wrote instead
+                        self._mode, self._buf = "after", stripped[1:] if stripped[0] == "]" else stripped
+                        continue
                     self._buf, self._call = stripped, JsonCallParser()
                 events, used = self._call.feed(self._buf)
                 self._buf = self._buf[used:]
@@ -71,6 +75,14 @@ class MistralCallsBody:
                 if not self._call.done:
                     return out
                 out += self._end_array_call()
+            elif self._mode == "after":
+                # Text the model wrote after its calls is the reply's text, not lost. (With no
+                # call before it, close() says so and the whole body is shown as text once.)
+                text = self._buf if self._text_after else self._buf.lstrip()
+                if self._num_calls and text:
+                    out.append(TextPiece(text))
+                    self._text_after = True
+                self._buf = ""
             else:
                 if self._scanner is None:
                     at = self._buf.find("{")

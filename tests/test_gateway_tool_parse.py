@@ -176,3 +176,26 @@ def test_one_call_asked_for_ends_the_reply_even_when_more_arrived_at_once(tokeni
     assert [block["type"] for block in builder.content] == ["tool_use"]
     assert builder.content[0]["input"] == {"path": "a.py"} and builder.one_call_done
     assert not [e for e in events if e.get("content_block", {}).get("type") == "text"]
+
+
+def test_a_stop_sequence_inside_a_calls_arguments_does_not_cut_the_call(tokenizer):
+    """Stop sequences end the reply's text; matched over the raw output, one that a call's
+    arguments held (a command that echoes it) cut the call there and sent it truncated."""
+    command = 'git commit -m "## Summary"'
+    call = (
+        '<tool_call>\n{"name": "Bash", "arguments": {"command": ' + json.dumps(command) + "}}\n</tool_call>"
+    )
+    for split in (1, 3):  # token by token, and three tokens a push
+        builder = ReplyBuilder(tokenizer, (), ["##"])
+        ids = tokenizer.encode("Committing. " + call + " Done ## and more")
+        for at in range(0, len(ids), split):
+            builder.push(ids[at : at + split])
+        builder.finish()
+        assert builder.content[1] == {
+            "type": "tool_use",
+            "id": builder.content[1]["id"],
+            "name": "Bash",
+            "input": {"command": command},
+        }
+        assert builder.stop_sequence == "##" and builder.done
+        assert [b.get("text") for b in builder.content] == ["Committing. ", None, " Done "]

@@ -1,7 +1,8 @@
 """Generated token ids -> Anthropic content blocks and stream events.
 
-One pipeline for streaming and non-streaming answers: ids -> incremental detokenizer -> stop
-sequence matcher -> the tool format's parser -> blocks. A tool call's block opens as soon as the
+One pipeline for streaming and non-streaming answers: ids -> incremental detokenizer -> the
+tool format's parser -> stop sequence matcher (over the reply's text, not a call's arguments: a
+stop sequence inside them cut the call short) -> blocks. A tool call's block opens as soon as the
 parser knows the call, and its arguments stream as input_json_delta pieces while it is generated.
 Each `push` returns the stream events it produced (content_block_start / content_block_delta /
 content_block_stop as dicts); `content` holds the finished blocks for a non-streaming answer and
@@ -88,24 +89,21 @@ class ReplyBuilder:
         if self.done:
             return []
         self.generated_ids.extend(token_ids)
-        text = self._stops.feed(self._detok.push(token_ids))
-        if self._stops.matched is not None:
-            self.done = True
+        text = self._detok.push(token_ids)
         return self._emit(self._parser.feed(text)) if text else []
 
     def finish(self) -> list[dict[str, Any]]:
-        """The end of the reply: flush held text, parse an unclosed call, close the last block."""
+        """The end of the reply: flush held text, parse an unclosed call, close the last block.
+        A stop sequence found only now (in text held back for a broken character at the end)
+        cuts the reply there too: done, and its ids hold text the client never got."""
         events: list[dict[str, Any]] = []
         if not self.done:
-            tail = self._stops.feed(self._detok.flush()) + (
-                "" if self._stops.matched else self._stops.flush()
-            )
+            tail = self._detok.flush()
             events += self._emit(self._parser.feed(tail)) if tail else []
-            # A stop sequence in the text held back until now (a broken character at the end):
-            # the reply was cut there too, and its ids hold text the client never got.
-            self.done = self._stops.matched is not None
-        if not self.one_call_done:  # after the one call asked for, what the parser holds is not sent
+        if not self.done:  # after a stop or the one call asked for, what the parser holds is not sent
             events += self._emit(self._parser.finish())
+        if not self.done:
+            events += self._text_events(self._stops.flush())
         events += self._close_text()
         return events
 
@@ -114,6 +112,8 @@ class ReplyBuilder:
         events: list[dict[str, Any]] = []
         for item in items:
             if isinstance(item, ToolCallStart):
+                # text held for a stop sequence spanning deltas: none can span a call
+                events += self._text_events(self._stops.flush())
                 events += self._close_text() + self._tool_start(item)
             elif isinstance(item, ToolArgsDelta):
                 events += self._tool_delta(item.partial_json)
@@ -123,10 +123,15 @@ class ReplyBuilder:
                     self.done = self.one_call_done = True
                     break  # what follows the call would be more calls: not asked for
             else:
-                events += self._text_events(item.text)
+                events += self._text_events(self._stops.feed(item.text))
+                if self._stops.matched is not None:
+                    self.done = True
+                    break  # what follows the stop sequence is not sent
         return events
 
     def _text_events(self, text: str) -> list[dict[str, Any]]:
+        if not text:
+            return []
         if self._open_text is None:
             if not text.strip():
                 self._pending_space += text

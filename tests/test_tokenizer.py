@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from ikcode.gateway.detokenize import IncrementalDetokenizer
 from ikcode.model.tokenizer import CHATML_TEMPLATE, Tokenizer
 
 MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("hell", "o"), ("Ġ", "w"), ("Ġw", "o"), ("Ġwo", "r")]
@@ -66,50 +67,44 @@ def test_json_round_trip(tok: Tokenizer) -> None:
     assert again.encode("<|im_end|>", allow_special=False) == tok.encode("<|im_end|>", allow_special=False)
 
 
-def test_incremental_decoder_matches_full_decode(tok: Tokenizer) -> None:
+def test_streamed_text_matches_the_whole_decode(tok: Tokenizer) -> None:
     rng = random.Random(7)
     text = "".join(CORPUS)
     ids = tok.encode(text)
     for _ in range(20):
-        decoder = tok.incremental_decoder()
+        detok = IncrementalDetokenizer(tok)
         pieces, i = [], 0
         while i < len(ids):
             step = rng.randint(1, 3)
-            pieces.append(decoder.feed(ids[i : i + step]))
+            pieces.append(detok.push(ids[i : i + step]))
             i += step
-        pieces.append(decoder.flush())
+        pieces.append(detok.flush())
         assert "".join(pieces) == text
         assert all("\ufffd" not in p for p in pieces)
 
 
-def test_incremental_decoder_holds_partial_characters(tok: Tokenizer) -> None:
+def test_a_character_split_over_tokens_is_held_until_whole(tok: Tokenizer) -> None:
     ids = tok.encode("😀")  # four byte tokens
     assert len(ids) == 4
-    decoder = tok.incremental_decoder()
-    assert [decoder.feed(i) for i in ids] == ["", "", "", "😀"]
-    assert decoder.flush() == ""
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push([i]) for i in ids] == ["", "", "", "😀"]
+    assert detok.flush() == ""
 
 
-def test_incremental_decoder_flushes_an_incomplete_tail(tok: Tokenizer) -> None:
-    ids = tok.encode("a😀")[:-1]  # stream ends inside the emoji
-    decoder = tok.incremental_decoder()
-    assert decoder.feed(ids[0]) == "a"
-    assert decoder.feed(ids[1:]) == ""
-    assert decoder.flush() == "\ufffd"
-
-
-def test_incremental_decoder_with_prompt_context(tok: Tokenizer) -> None:
-    prompt = tok.encode("hello")
-    decoder = tok.incremental_decoder(context_ids=prompt)
-    assert decoder.feed(tok.encode(" world")) == " world"
+def test_a_reply_cut_inside_a_character_ends_before_it(tok: Tokenizer) -> None:
+    ids = tok.encode("a😀")[:-1]  # the stream ends inside the emoji
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:1]) == "a"
+    assert detok.push(ids[1:]) == ""
+    assert detok.flush() == ""
 
 
 def test_random_ids_never_emit_split_characters(tok: Tokenizer) -> None:
     rng = random.Random(3)
     ids = [rng.randrange(3, tok.vocab_size) for _ in range(400)]
-    decoder = tok.incremental_decoder()
-    out = "".join(decoder.feed(i) for i in ids) + decoder.flush()
-    assert out == tok.decode(ids)
+    detok = IncrementalDetokenizer(tok)
+    out = "".join(detok.push([i]) for i in ids) + detok.flush()
+    assert out == tok.decode(ids).rstrip("\ufffd")
 
 
 @pytest.mark.parametrize("marker", ["<|im_end|>", "<|im_start|>"])

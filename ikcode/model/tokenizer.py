@@ -17,9 +17,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from ikcode.model.errors import ModelLoadError
-from ikcode.model.incremental_decoder import IncrementalDecoder
 
-__all__ = ["Tokenizer", "IncrementalDecoder", "CHATML_TEMPLATE", "byte_level_alphabet"]
+__all__ = ["Tokenizer", "CHATML_TEMPLATE", "byte_level_alphabet"]
 
 # A ChatML template (the format of SmolLM2 and Qwen2) for tokenizers built in tests.
 CHATML_TEMPLATE = (
@@ -262,11 +261,6 @@ class Tokenizer:
     @property
     def special_token_ids(self) -> dict[str, int]:
         return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
-
-    def incremental_decoder(
-        self, context_ids: Sequence[int] = (), skip_special: bool = False
-    ) -> IncrementalDecoder:
-        return IncrementalDecoder(lambda ids: self.decode(ids, skip_special), context_ids)
 
 
 def _unique_ids(ids: Sequence[object]) -> tuple[int, ...]:

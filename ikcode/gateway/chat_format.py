@@ -38,6 +38,26 @@ class ChatFormat:
     end_of_turn: str = ""  # the token that closes a turn (a stop token)
     name: str = "chatml"
     extra: dict[str, Any] = field(default_factory=dict)
+    # The template has no system turn and writes the system prompt at the start of a user turn
+    # (Gemma, Mistral): prefix["system"] is that turn's opening, suffix["system"] what separates
+    # the system prompt from the user's words, and the first user turn after it has no prefix.
+    system_opens_user_turn: bool = False
+
+
+# Roles of their own (their own markers and segment keys) for templates without a system turn
+OPENED_USER_TURN = "user, opened by the system prompt"
+SYSTEM_AS_USER_TURN = "system, as a user turn"
+
+
+def turn_role(fmt: ChatFormat, role: str, opens_after_system: bool) -> str:
+    """The markers a turn is written with: its role's, but where the template has no system turn
+    (ChatFormat.system_opens_user_turn): the first user turn after the system prompt goes on the
+    turn it opened, and a system message among the messages is a user turn."""
+    if role == "user" and opens_after_system:
+        return OPENED_USER_TURN
+    if role == "system" and fmt.system_opens_user_turn:
+        return SYSTEM_AS_USER_TURN
+    return role
 
 
 def chatml_format() -> ChatFormat:
@@ -106,24 +126,34 @@ def probe_template_or_raise(chat_template: str, specials: dict[str, str]) -> Cha
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         template = env.from_string(chat_template)
-        order = ["system", "user", "assistant", "user"]
-        messages = [{"role": r, "content": _SENTINEL[r] + str(i)} for i, r in enumerate(order)]
-        text = template.render(messages=messages, add_generation_prompt=True, **specials)
-        without_gen = template.render(messages=messages, add_generation_prompt=False, **specials)
-    except Exception as exc:  # a template we cannot run (any jinja2 or template error)
+    except Exception as exc:  # a template we cannot compile
         raise TemplateProbeError(f"it does not render: {type(exc).__name__}: {str(exc)[:200]}") from exc
-    generation_prompt = text[len(without_gen) :] if text.startswith(without_gen) else ""
-    spans = []
-    pos = 0
-    for i, role in enumerate(order):
-        marker = _SENTINEL[role] + str(i)
-        at = without_gen.find(marker, pos)
-        if at < 0:
-            raise TemplateProbeError(f"the {role} message does not appear where it was put")
-        spans.append((at, at + len(marker)))
-        pos = at + len(marker)
-    start_and_sys_prefix = without_gen[: spans[0][0]]
-    between = [without_gen[spans[i][1] : spans[i + 1][0]] for i in range(3)]
+    bos = specials.get("bos_token") or ""
+
+    def render(order: list[str]) -> tuple[str, str, list[str]]:
+        """(text, generation prompt, the texts before, between and after the messages) of a
+        conversation in `order`."""
+        messages = [{"role": r, "content": _SENTINEL[r] + str(i)} for i, r in enumerate(order)]
+        try:
+            text = template.render(messages=messages, add_generation_prompt=True, **specials)
+            without_gen = template.render(messages=messages, add_generation_prompt=False, **specials)
+        except Exception as exc:  # a template we cannot run (any jinja2 or template error)
+            raise TemplateProbeError(f"it does not render: {type(exc).__name__}: {str(exc)[:200]}") from exc
+        pieces, pos = [], 0
+        for i, role in enumerate(order):
+            at = without_gen.find(_SENTINEL[role] + str(i), pos)
+            if at < 0:
+                raise TemplateProbeError(f"the {role} message does not appear where it was put")
+            pieces.append(without_gen[pos:at])
+            pos = at + len(_SENTINEL[role] + str(i))
+        pieces.append(without_gen[pos:])
+        generation_prompt = text[len(without_gen) :] if text.startswith(without_gen) else ""
+        return without_gen, generation_prompt, pieces
+
+    try:
+        _, generation_prompt, (head, *between, tail) = render(["system", "user", "assistant", "user"])
+    except TemplateProbeError:  # the system prompt may go elsewhere (Mistral: the last user turn)
+        return _probe_system_in_user_turn(render, bos, specials)
     # A turn ends at its end-of-turn token; whitespace after it still belongs to the turn. Some
     # templates end only the assistant's turns (DeepSeek: <｜User｜>...<｜Assistant｜>...<eos>).
     eot = _end_of_turn(between[1], specials.get("eos_token")) or _end_of_turn(
@@ -131,29 +161,63 @@ def probe_template_or_raise(chat_template: str, specials: dict[str, str]) -> Cha
     )
     if eot is None:
         raise TemplateProbeError("no end-of-turn token between the turns")
-
-    def split(gap: str) -> tuple[str, str]:
-        if eot not in gap:  # a turn without an end marker: the gap is the next turn's opening
-            return "", gap
-        cut = gap.find(eot) + len(eot)
-        while cut < len(gap) and gap[cut] in "\n ":
-            cut += 1
-        return gap[:cut], gap[cut:]
-
-    sys_suffix, user_prefix = split(between[0])
-    user_suffix, asst_prefix = split(between[1])
-    asst_suffix, _ = split(between[2])
-    bos = specials.get("bos_token") or ""
-    start = bos if bos and start_and_sys_prefix.startswith(bos) else ""
-    sys_prefix = start_and_sys_prefix[len(start) :]
+    sys_suffix, user_prefix = _split_at(between[0], eot)
+    user_suffix, asst_prefix = _split_at(between[1], eot, tail)
+    asst_suffix, next_user_prefix = _split_at(between[2], eot)
+    start = bos if bos and head.startswith(bos) else ""
+    sys_prefix = head[len(start) :]
+    if not sys_suffix and sys_prefix and sys_prefix == next_user_prefix != user_prefix:
+        # No end between the system prompt and the user's words, and the system prompt opens as
+        # a user turn does (Gemma): it is written inside the first user turn.
+        return _probe_system_in_user_turn(render, bos, specials)
     return ChatFormat(
         prefix={"system": sys_prefix, "user": user_prefix, "assistant": asst_prefix},
         suffix={"system": sys_suffix, "user": user_suffix, "assistant": asst_suffix},
-        generation_prompt=generation_prompt or asst_prefix,
+        generation_prompt=generation_prompt or asst_prefix.rstrip(" "),
         start=start,
         end_of_turn=eot,
         name="probed",
     )
+
+
+def _probe_system_in_user_turn(render: Any, bos: str, specials: dict[str, str]) -> ChatFormat:
+    """A template without a system turn: the turns' markers from a conversation without a system
+    prompt, and where the system prompt goes from [system, user]. It goes at the start of the
+    first user turn, where a prefix cache keeps it (Mistral's template writes it into the last
+    one, which moves every turn)."""
+    _, generation_prompt, (head, *between, tail) = render(["user", "assistant", "user"])
+    eot = _end_of_turn(between[0], specials.get("eos_token")) or _end_of_turn(
+        between[1], specials.get("eos_token")
+    )
+    if eot is None:
+        raise TemplateProbeError("no end-of-turn token between the turns")
+    user_suffix, asst_prefix = _split_at(between[0], eot, tail)
+    asst_suffix, user_prefix = _split_at(between[1], eot)
+    start = bos if bos and head.startswith(bos) else ""
+    _, _, (sys_head, separator, _) = render(["system", "user"])
+    if head[len(start) :] != user_prefix or sys_head != head:
+        raise TemplateProbeError("the system prompt is written neither as a turn nor at a user turn's start")
+    return ChatFormat(
+        prefix={"system": user_prefix, "user": user_prefix, "assistant": asst_prefix},
+        suffix={"system": separator, "user": user_suffix, "assistant": asst_suffix},
+        generation_prompt=generation_prompt or asst_prefix.rstrip(" "),
+        start=start,
+        end_of_turn=eot,
+        name="probed",
+        system_opens_user_turn=True,
+    )
+
+
+def _split_at(gap: str, eot: str, closing: str = "") -> tuple[str, str]:
+    """The text between two messages: (the first turn's end, the next turn's opening).
+    `closing`: what the template writes after a turn of the first's role when it is the last
+    (Mistral's user turns end in [/INST], no end-of-turn token)."""
+    if eot not in gap:  # a turn without an end marker: the gap is the next turn's opening
+        return (closing, gap[len(closing) :]) if closing and gap.startswith(closing) else ("", gap)
+    cut = gap.find(eot) + len(eot)
+    while cut < len(gap) and gap[cut] in "\n ":
+        cut += 1
+    return gap[:cut], gap[cut:]
 
 
 def _end_of_turn(gap: str, eos: str | None) -> str | None:

@@ -27,7 +27,15 @@ from array import array
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from ikcode.gateway.chat_format import ROLES, ChatFormat, TokenizerLike, derive_chat_format
+from ikcode.gateway.chat_format import (
+    OPENED_USER_TURN,
+    ROLES,
+    SYSTEM_AS_USER_TURN,
+    ChatFormat,
+    TokenizerLike,
+    derive_chat_format,
+    turn_role,
+)
 from ikcode.gateway.content_text import (
     Guards,
     assistant_text,
@@ -87,6 +95,11 @@ class Renderer:
         self._suffix_ids = {r: self._encode(fmt.suffix[r], True) for r in ROLES}
         # The assistant turn opens exactly like the generation prompt, so a reply fits in place.
         self._prefix_ids["assistant"] = self._gen_ids = self._encode(fmt.generation_prompt, True)
+        # The first user turn when the system prompt opened it (ChatFormat.system_opens_user_turn)
+        self._prefix_ids[OPENED_USER_TURN], self._suffix_ids[OPENED_USER_TURN] = [], self._suffix_ids["user"]
+        # A system message among the messages when the template has no system turn: a user turn
+        self._prefix_ids[SYSTEM_AS_USER_TURN] = self._prefix_ids["user"]
+        self._suffix_ids[SYSTEM_AS_USER_TURN] = self._suffix_ids["user"]
         tags = _TAGS + self.tool_format.markers
         self._tag_ids = {t: i for t in tags if (i := tokenizer.token_to_id(t)) is not None}
         specials = getattr(tokenizer, "special_token_ids", None) or {}
@@ -214,13 +227,15 @@ class Renderer:
             reads = previous.reads_before(first)
         reused_tokens = len(prompt.ids) if previous is not None else 0
         prefill = False
+        opened = self.format.system_opens_user_turn and num_head_boundaries > 0
         for index in range(first, len(turns)):
             role, content = turns[index]
             if conversation is not None:
                 for kept, new in zip(reads, turn_reads(index, role, content, names, deferred), strict=True):
                     kept.extend(new)
             prefill = role == "assistant" and index == len(turns) - 1
-            self._render_turn(prompt, role, content, names, deferred, prefill, salt)
+            as_role = turn_role(self.format, role, opened and index == 0)
+            self._render_turn(prompt, as_role, content, names, deferred, prefill, salt)
         if not prefill:
             prompt.ids.extend(self._gen_ids)
         if conversation is not None:
@@ -309,7 +324,7 @@ class Renderer:
             key = digest(b"results\x00" + json.dumps(parts).encode())
             seg, n = self._marked_segment(key, parts)
         else:
-            if role == "user":
+            if role in ("user", OPENED_USER_TURN):
                 text = user_text(content, names, deferred, self.tool_format, self._guards)
             else:
                 text = self.guard(system_message_text(content))

@@ -192,3 +192,9 @@ def test_up_waits_as_long_as_a_deepinfer_profiles_ranks_may_load():
     deepinfer = load_profile("deepinfer-4xb200")
     slow = deepinfer.model_copy(update={"deepinfer": {**deepinfer.deepinfer, "rank_start_timeout_s": 1800}})
     assert start_timeout_s(slow) == 1920.0
+    # ... and the adapter takes the same key (it refused it: "unknown [deepinfer] keys").
+    from ikcode.engines.deepinfer.config import DeepInferConfig
+
+    watched = {**slow.deepinfer, "hung_rank_s": 120}
+    config = DeepInferConfig.from_profile(slow.model_copy(update={"deepinfer": watched}), model_path="/m")
+    assert (config.rank_start_timeout_s, config.hung_rank_s) == (1800.0, 120.0)

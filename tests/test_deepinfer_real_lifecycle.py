@@ -157,3 +157,23 @@ def test_shutdown_with_a_live_request_ends_it_and_no_reader_thread_dies(tmp_path
     assert final.finish_reason in (FinishReason.ABORT, FinishReason.ERROR), final
     assert "shutting down" in str(final.error)
     assert died == []
+
+
+def test_a_rank_hung_in_a_step_fails_its_requests_and_the_engine_says_why(tmp_path):
+    """A step that never returns (here: the CPU model's forward sleeps 60 s) kept the rank alive
+    and its pipe open: its requests waited forever and every call to it timed out one by one."""
+    from ikcode.engines.base import EngineError
+    from tests.deepinfer_build.cpu_runtime import ENV_STEP_SECONDS
+
+    engine = real_engine(tmp_path, environment={ENV_STEP_SECONDS: "60"}, hung_rank_s=2.0, prime_min_tokens=0)
+    try:
+        began = time.monotonic()
+        _, final = submit(engine, "stuck", random_tokens(300, 31), max_tokens=8).collect(60)
+        assert final.finish_reason is FinishReason.ERROR, final
+        assert "rank 0 sent nothing for 2 s" in str(final.error)
+        assert time.monotonic() - began < 30  # the watchdog's 2 s and the rank's stop, not the 60 s step
+        with pytest.raises(EngineError, match="hung in a step"):
+            submit(engine, "next", random_tokens(10, 1))
+    finally:
+        engine.shutdown(drain_timeout_s=1)
+    assert not any(r.process.is_alive() for r in engine.ranks)  # nothing left running

@@ -28,6 +28,8 @@ FIXED_ENVIRONMENT = ("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "DEEPINFER_PREFIL
 
 # The [deepinfer] profile keys: how the adapter sets DeepInfer's own step scheduling.
 SCHEDULE_KEYS = ("max_num_batched_tokens", "prefill_attempt_interval", "prefill_any_attempt_interval")
+# ... and how long the adapter waits for its ranks: to start, and before it takes a silent one for hung.
+WATCH_KEYS = ("rank_start_timeout_s", "hung_rank_s")
 
 
 @dataclass
@@ -82,6 +84,9 @@ class DeepInferConfig:
     # package) or "module:function" returning them (the CPU test harness, see docs/deepinfer.md).
     backend: str = "deepinfer"
     rank_start_timeout_s: float = 600.0
+    # A rank silent this long (no step ends, no beat) is hung: its requests fail and the ranks
+    # stop, as when one exits (watchdog.py). Far above any one step (a 128K-token prefill chunk).
+    hung_rank_s: float = 300.0
     visible_devices: str = ""  # CUDA_VISIBLE_DEVICES; "" = the first data_parallel_size cards
     environment: dict[str, str] = field(default_factory=dict)  # on top of REQUIRED_ENVIRONMENT
     engine_args: dict[str, Any] = field(default_factory=dict)  # extra EngineArgs fields
@@ -100,6 +105,8 @@ class DeepInferConfig:
         if self.commit_point not in ("release", "final_token"):
             raise ValueError(f"commit_point must be 'release' or 'final_token', got {self.commit_point!r}")
         make_policy(self.cache_policy)  # raises for an unknown one, naming the known ones
+        if not self.hung_rank_s > 0:
+            raise ValueError(f"hung_rank_s must be > 0, got {self.hung_rank_s}")
         if not 0.0 < self.prefill_watermark <= 1.0:
             raise ValueError(f"prefill_watermark must be in (0, 1], got {self.prefill_watermark}")
         for name in ("affinity_max_imbalance", "prime_min_tokens", "host_tier_bytes_per_rank",
@@ -162,12 +169,12 @@ class DeepInferConfig:
     @classmethod
     def from_profile(cls, profile: Any, model_path: str | None = None) -> DeepInferConfig:
         """From a profile: [model] path / max_num_seqs, context_window, [hardware] cards,
-        [cache] host tier and policy knobs, and [deepinfer]'s engine settings (SCHEDULE_KEYS)."""
+        [cache] host tier and policy knobs, and [deepinfer]'s settings (SCHEDULE_KEYS, WATCH_KEYS)."""
         cache = dict(profile.cache)
-        schedule = dict(getattr(profile, "deepinfer", {}) or {})
-        unknown = sorted(set(schedule) - set(SCHEDULE_KEYS))
+        settings = dict(getattr(profile, "deepinfer", {}) or {})
+        unknown = sorted(set(settings) - set(SCHEDULE_KEYS) - set(WATCH_KEYS))
         if unknown:
-            known = ", ".join(SCHEDULE_KEYS)
+            known = ", ".join(SCHEDULE_KEYS + WATCH_KEYS)
             raise ValueError(f"unknown [deepinfer] keys: {', '.join(unknown)}; known: {known}")
         cards = max(1, int(profile.hardware.get("cards", 1)))
         # host_cache_mb holds the pages and the window snapshots: the snapshots' share first
@@ -193,7 +200,8 @@ class DeepInferConfig:
             cache_policy=str(cache.get("policy", "lru")),
             host_tier_bytes_per_rank=host_bytes // cards,
             snapshot_bytes_per_rank=snapshot_bytes // cards,
-            **{key: int(value) for key, value in schedule.items()},
+            **{key: int(value) for key, value in settings.items() if key in SCHEDULE_KEYS},
+            **{key: float(value) for key, value in settings.items() if key in WATCH_KEYS},
         )
 
     def schedule(self) -> dict[str, int]:

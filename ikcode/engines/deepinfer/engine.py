@@ -4,13 +4,15 @@
 The gateway process spawns the ranks (multiprocessing, spawn; MASTER_ADDR / MASTER_PORT and one
 visible GPU each), routes each request to a rank (session affinity, then the rank holding the
 longest prefix), and turns the ranks' messages into RequestStreams and lifecycle events. A rank
-that dies is detected by its pipe closing: its requests fail at once, the other ranks (which
-would wait for it in their next collective) are stopped, and the engine refuses new work with
-the reason. Shutdown drains, tells the ranks to stop together, and joins them.
+that dies is detected by its pipe closing, one that hangs by its silence (watchdog.py): its
+requests fail at once, the other ranks (which would wait for it in their next collective) are
+stopped, and the engine refuses new work with the reason. Shutdown drains, tells the ranks to
+stop together, and joins them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -42,6 +44,7 @@ from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
 from ikcode.engines.deepinfer.host_pool import HostPool, HostPoolTooLarge
 from ikcode.engines.deepinfer.rank_process import RankSpec, rank_main
 from ikcode.engines.deepinfer.routing import SessionRouter
+from ikcode.engines.deepinfer.watchdog import RankWatchdog
 from ikcode.engines.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,7 @@ class _Rank:
         # Submitted, no token yet: the rank's queue (routing), with the blocks each computes there.
         self.prefilling: dict[str, int] = {}
         self.reader: threading.Thread | None = None
+        self.heard_at = time.monotonic()  # its last message (watchdog.py)
 
     def send(self, message: tuple) -> None:
         with self.send_lock:
@@ -150,6 +154,8 @@ class DeepInferEngine:
                 raise EngineError(f"deepinfer failed to start: {err}") from None
             for r in self.ranks:
                 r.send(("host_pool", self.host_pool.name, r.rank * pages, pages, page_bytes))
+        stopped = lambda: self._stopping or self.failure is not None  # noqa: E731
+        RankWatchdog(self.config.hung_rank_s, self.ranks, self._rank_died, stopped).start()
 
     def shutdown(self, drain_timeout_s: float = 30.0) -> None:
         self._stopping = True
@@ -159,10 +165,8 @@ class DeepInferEngine:
         while time.monotonic() < deadline and self._streams and not self.failure:
             time.sleep(0.01)
         for r in self.ranks:
-            try:
+            with contextlib.suppress(OSError):  # a rank that is gone
                 r.send(("stop",))
-            except OSError:
-                pass
         with self._reap_lock:
             for r in self.ranks:
                 r.process.join(timeout=max(5.0, deadline - time.monotonic() + 5.0))
@@ -200,10 +204,8 @@ class DeepInferEngine:
         with self._lock:
             entry = self._streams.get(request_id)
         if entry is not None:
-            try:
+            with contextlib.suppress(OSError):  # its rank is gone: the request failed with it
                 entry[1].send(("abort", request_id))
-            except OSError:
-                pass
 
     def lookup(self, prompt_token_ids: list[int], cache_salt: str = "", block_hashes=None) -> CacheLookup:
         """What the best rank holds for this prompt, as it would be resumed."""
@@ -312,6 +314,7 @@ class DeepInferEngine:
                 message = r.conn.recv()
             except (EOFError, OSError):
                 break
+            r.heard_at = time.monotonic()
             kind = message[0]
             if kind == "event":
                 self._on_event(message[1])

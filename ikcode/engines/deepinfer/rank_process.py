@@ -21,6 +21,7 @@ from typing import Any
 
 from ikcode.engines.base import CacheLookup, EngineLoad, EngineRequest, LifecycleKind, TokenEvent
 from ikcode.engines.deepinfer.config import KVSTORE_GRAIN, DeepInferConfig
+from ikcode.engines.deepinfer.watchdog import beat_interval_s
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class RankLoop:
         self.steps = 0
         self.placeholder_steps = 0  # steps taken with nothing of this rank's own to run
         self._last_load: Any = None
+        self._last_beat, self._beat_s = time.monotonic(), beat_interval_s(spec.config.hung_rank_s)
         state_manager = self.worker.engine.state_manager
         self.initial_free_states = state_manager.get_num_free_blocks() if state_manager is not None else 0
 
@@ -172,6 +174,14 @@ class RankLoop:
             self.steps += 1
             idle = not unfinished and not flags[1].item()
             self._push_load()
+            self._beat()
+
+    def _beat(self) -> None:
+        """Say this rank is alive (the gateway's watchdog takes a silent rank for hung)."""
+        now = time.monotonic()
+        if now - self._last_beat >= self._beat_s:
+            self._last_beat = now
+            self._send(("alive",))
 
     def _push_load(self) -> None:
         load = self.rpc_load()

@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import pytest
 
-from ikcode.engines.base import EngineOverloaded, FinishReason, RequestStream, TokenEvent
+from ikcode.engines.base import EngineOverloaded, FinishReason, LifecycleKind, RequestStream, TokenEvent
 from ikcode.gateway import GatewaySettings, create_app
 from tests.test_gateway_api_support import (  # noqa: F401 (engine, server, ...: fixtures)
     HELLO,
@@ -278,9 +278,14 @@ def test_an_engine_stopping_mid_reply_is_an_error_not_a_finished_answer(tokenize
 
     inner = tiny_engine(kv_memory_bytes=2 * 1024 * 1024)
     inner.start()
+
+    def stop_at_first_token(event) -> None:  # the engine has its other 499 tokens to go
+        if event.kind is LifecycleKind.FIRST_TOKEN:
+            threading.Thread(target=inner.shutdown, kwargs={"drain_timeout_s": 0}).start()
+
+    inner.add_listener(stop_at_first_token)
     srv = serve(ScriptedEngine(inner, tokenizer.encode("word " * 100), pace_s=0.05), tokenizer, tmp_path)
     try:
-        threading.Timer(1.0, lambda: inner.shutdown(drain_timeout_s=0)).start()
         answer = post(srv, {"model": "tiny", "max_tokens": 200, "messages": HELLO, "stream": stream})
     finally:
         srv.stop()

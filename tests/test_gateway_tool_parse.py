@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from ikcode.gateway.reply_builder import ReplyBuilder, StopSequenceMatcher
+from ikcode.gateway.reply_builder import ReplyBuilder
 from ikcode.gateway.tool_formats import HermesFormat, TextPiece, ToolArgsDelta, ToolCallEnd, ToolCallStart
 from ikcode.model.tokenizer import Tokenizer
 from tests.tool_calls import Call, collect
@@ -108,12 +108,6 @@ def test_text_that_only_looks_like_a_tag_is_released():
     assert texts(feed_chars("a <tool x> <tool_cal")) == "a <tool x> <tool_cal"
 
 
-def test_stop_sequence_matcher_spans_deltas():
-    matcher = StopSequenceMatcher(["STOP", "END"])
-    out = "".join(matcher.feed(c) for c in "abc ST") + matcher.feed("OP more")
-    assert out == "abc " and matcher.matched == "STOP"
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer.from_vocab()
@@ -137,6 +131,32 @@ def test_reply_builder_events_for_text_then_tool(tokenizer):
     assert builder.called_tool
     assert builder.content[0] == {"type": "text", "text": "Sure. "}
     assert builder.content[1]["name"] == "Read"
+
+
+def test_a_stop_sequence_that_spans_pushes_is_found(tokenizer):
+    builder = ReplyBuilder(tokenizer, (), ["STOP", "END"])
+    for piece in ["abc", " ST", "OP more"]:
+        builder.push(tokenizer.encode(piece))
+    builder.finish()
+    assert builder.stop_sequence == "STOP" and builder.content == [{"type": "text", "text": "abc "}]
+
+
+def test_a_stop_sequence_in_text_the_tool_parser_holds_stops_the_reply_at_once(tokenizer):
+    """Text after a call marker that never became a call waits in the parser; a stop sequence
+    in it must still end the reply when it arrives (generation stops), not at the end."""
+    builder = ReplyBuilder(tokenizer, (), ["##"])
+    ids = tokenizer.encode("See <tool_call> is the tag. ## rest rest rest")
+    pushed = 0
+    while not builder.done and pushed < len(ids):
+        builder.push(ids[pushed : pushed + 1])
+        pushed += 1
+    assert builder.done and pushed < len(ids) - 3
+    builder.finish()
+    assert builder.content == [{"type": "text", "text": "See <tool_call> is the tag. "}]
+    marker = ReplyBuilder(tokenizer, (), ["<tool_call>"])  # a stop sequence that is a call marker
+    marker.push(tokenizer.encode("Done. " + CALL))
+    marker.finish()
+    assert marker.stop_sequence == "<tool_call>" and marker.content == [{"type": "text", "text": "Done. "}]
 
 
 def test_reply_builder_stop_sequence_and_multibyte(tokenizer):

@@ -9,7 +9,15 @@ import json
 import pytest
 
 from ikcode.gateway.tool_formats import FORMATS
-from tests.test_tool_formats import load_template, render_template
+from tests.test_tool_formats import (
+    CASES,
+    NEW_INPUT,
+    PAST_INPUT,
+    anthropic_request,
+    load_template,
+    render_template,
+    tokenizer_for,
+)
 from tests.tool_calls import collect
 
 TOOLS = [
@@ -264,3 +272,23 @@ def test_mistral_text_after_the_calls_array_is_the_replys_text():
     )
     assert parse_every_split("mistral", call + "\n") == ("", [("Read", {"path": "/a"})])
     assert parse("mistral", ["[TOOL_CALLS] [] so ", "no call"]) == ("[TOOL_CALLS] [] so no call", [])
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_a_stop_sequence_inside_a_calls_arguments_is_the_calls_text_in_every_format(case):
+    """Each format's parser says when it is inside a named call: a stop sequence there is part of
+    the arguments (the reply builder matched stop sequences on the raw output, and a path or a
+    command holding one cut the call there)."""
+    from ikcode.gateway.reply_builder import ReplyBuilder
+    from ikcode.gateway.schemas import MessagesRequest
+    from ikcode.gateway.tool_formats import callable_tools
+
+    tools = callable_tools(MessagesRequest.model_validate(anthropic_request(PAST_INPUT)).tools)
+    tokenizer = tokenizer_for(case)
+    builder = ReplyBuilder(tokenizer, (), ["##"], parser=FORMATS[case.name]().new_parser(tools))
+    for token in tokenizer.encode(case.model_output.replace("src/b.py", "src/##.py")):
+        builder.push([token])
+    builder.finish()
+    assert builder.stop_sequence is None and not builder.done
+    (call,) = [block for block in builder.content if block["type"] == "tool_use"]
+    assert call["input"] == {**NEW_INPUT, "path": "src/##.py"}

@@ -48,6 +48,11 @@ class MistralCallsBody:
         self._num_calls = 0
         self._text_after = False  # text after the calls has begun (later whitespace is its own)
 
+    @property
+    def named(self) -> bool:
+        array_call = self._call is not None and self._call.named
+        return array_call or (self._named is not None and self._named.name is not None)
+
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         out: list[ParseEvent] = []

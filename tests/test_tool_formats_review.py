@@ -292,3 +292,21 @@ def test_a_stop_sequence_inside_a_calls_arguments_is_the_calls_text_in_every_for
     assert builder.stop_sequence is None and not builder.done
     (call,) = [block for block in builder.content if block["type"] == "tool_use"]
     assert call["input"] == {**NEW_INPUT, "path": "src/##.py"}
+
+
+def test_mistral_more_calls_or_text_after_the_first_ones_are_each_what_they_are():
+    """After a calls array, a second [TOOL_CALLS] array came out as its raw text; after a v11
+    `name{...}` call, text was dropped, and text holding a "{" became a call named by its words."""
+    first = '[TOOL_CALLS] [{"name": "Read", "arguments": {"path": "/a"}}]'
+    second = '\n[TOOL_CALLS] [{"name": "Bash", "arguments": {"command": "ls"}}]'
+    assert parse_every_split("mistral", first + second) == (
+        "",
+        [("Read", {"path": "/a"}), ("Bash", {"command": "ls"})],
+    )
+    named = '[TOOL_CALLS]Read{"path": "/a"}'
+    assert parse_every_split("mistral", named + " Done.") == ("Done.", [("Read", {"path": "/a"})])
+    assert parse_every_split("mistral", named + " Then {x}") == ("Then {x}", [("Read", {"path": "/a"})])
+    assert parse_every_split("mistral", named + '[TOOL_CALLS]Bash{"command": "ls"}') == (
+        "",
+        [("Read", {"path": "/a"}), ("Bash", {"command": "ls"})],
+    )

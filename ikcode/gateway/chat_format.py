@@ -173,7 +173,7 @@ def probe_template_or_raise(chat_template: str, specials: dict[str, str]) -> Cha
     return ChatFormat(
         prefix={"system": sys_prefix, "user": user_prefix, "assistant": asst_prefix},
         suffix={"system": sys_suffix, "user": user_suffix, "assistant": asst_suffix},
-        generation_prompt=generation_prompt or asst_prefix.rstrip(" "),
+        generation_prompt=generation_prompt or _opening(asst_prefix),
         start=start,
         end_of_turn=eot,
         name="probed",
@@ -200,12 +200,19 @@ def _probe_system_in_user_turn(render: Any, bos: str, specials: dict[str, str]) 
     return ChatFormat(
         prefix={"system": user_prefix, "user": user_prefix, "assistant": asst_prefix},
         suffix={"system": separator, "user": user_suffix, "assistant": asst_suffix},
-        generation_prompt=generation_prompt or asst_prefix.rstrip(" "),
+        generation_prompt=generation_prompt or _opening(asst_prefix),
         start=start,
         end_of_turn=eot,
         name="probed",
         system_opens_user_turn=True,
     )
+
+
+def _opening(asst_prefix: str) -> str:
+    """The generation prompt of a template that writes none: the assistant turn's opening, unless
+    that is only the space the template writes before a reply (Mistral's " "), which the model
+    writes itself as part of its first token."""
+    return asst_prefix if asst_prefix.strip() else ""
 
 
 def _split_at(gap: str, eot: str, closing: str = "") -> tuple[str, str]:

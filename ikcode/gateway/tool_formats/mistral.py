@@ -59,10 +59,14 @@ class MistralCallsBody:
         while self._buf:
             if self._mode == "start":
                 stripped = self._buf.lstrip()
-                if stripped.startswith(TOOL_CALLS):  # v11+: one marker per call
+                marked = stripped.startswith(TOOL_CALLS)  # v11+: one marker per call
+                if marked:
                     stripped = stripped[len(TOOL_CALLS) :].lstrip()
                 if not stripped or TOOL_CALLS.startswith(stripped):
                     return out
+                if self._num_calls and not marked:  # after the calls, no marker: the reply's text
+                    self._mode = "after"
+                    continue
                 self._mode = "array" if stripped[0] == "[" else "named"
                 self._buf = stripped[1:] if self._mode == "array" else stripped
             elif self._mode == "array":
@@ -81,9 +85,15 @@ class MistralCallsBody:
                     return out
                 out += self._end_array_call()
             elif self._mode == "after":
-                # Text the model wrote after its calls is the reply's text, not lost. (With no
-                # call before it, close() says so and the whole body is shown as text once.)
+                # Text the model wrote after its calls is the reply's text, not lost (with no
+                # call before it, close() says so and the whole body is shown as text once),
+                # unless it is more calls.
                 text = self._buf if self._text_after else self._buf.lstrip()
+                if not self._text_after and (text.startswith(TOOL_CALLS) or TOOL_CALLS.startswith(text)):
+                    if not text.startswith(TOOL_CALLS):
+                        return out  # perhaps the marker, in pieces
+                    self._mode = "start"
+                    continue
                 if self._num_calls and text:
                     out.append(TextPiece(text))
                     self._text_after = True

@@ -47,14 +47,24 @@ _LONGEST_END = len("</parameter>")  # an end marker may begin this many characte
 _AFTER_PARAMETER = ("<parameter=", "</function>", "</tool_call>")
 
 
+_MAX_GAP = 64  # whitespace between a </parameter> and what follows it, at most
+_NOT_SPACE = re.compile(r"\S")
+
+
 def _closes_value(buf: str, after: int, final: bool) -> bool | None:
     """Whether the </parameter> ending at `after` ends the value: only if the next parameter or
     the call's end follows it (a file that mentions </parameter> is a value that holds it). None:
-    not known until more text arrives."""
-    rest = buf[after:].lstrip()
+    not known until more text arrives. Looks at most _MAX_GAP characters ahead: each delta asks
+    again, and a long run of whitespace rescanned each time made a value quadratic."""
+    follows = _NOT_SPACE.search(buf, after, after + _MAX_GAP + 1)
+    if follows is None:
+        if len(buf) - after > _MAX_GAP:
+            return False  # that much whitespace is the value's own
+        return True if final else None
+    rest = buf[follows.start() : follows.start() + len("</tool_call>")]
     if rest.startswith(_AFTER_PARAMETER):
         return True
-    if any(marker.startswith(rest) for marker in _AFTER_PARAMETER):  # "" included
+    if any(marker.startswith(rest) for marker in _AFTER_PARAMETER):
         return True if final else None
     return False
 

@@ -66,3 +66,67 @@ def test_mistral_system_prompt_opens_the_first_user_turn():
     assert ours == theirs.replace("[/INST] " + REPLY, "[/INST]" + REPLY)
     assert ours.endswith("[INST] " + SECOND + "[/INST]")
     assert ours.startswith("<s>[INST] " + SYSTEM)
+
+
+def renderer_for(template: str, bos: str, eos: str, markers: tuple[str, ...]) -> tuple[Renderer, Tokenizer]:
+    tokenizer = Tokenizer.from_vocab(
+        special_tokens=("<|endoftext|>", bos, eos, *markers), eos_tokens=(eos,), chat_template=template
+    )
+    tokenizer.bos_token_id = tokenizer.token_to_id(bos)
+    return Renderer(tokenizer), tokenizer
+
+
+def prompt_text(renderer: Renderer, tokenizer: Tokenizer, body: dict) -> str:
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 8, **body})
+    ids = renderer.render(request.system, request.tools, request.tool_choice, request.messages).token_ids
+    return tokenizer.decode(ids)
+
+
+READ = {
+    "name": "Read",
+    "description": "Read a file",
+    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}},
+}
+
+
+def test_mistral_tool_list_goes_before_the_turn_as_its_template_puts_it():
+    """It went inside the [INST] the system prompt opened (and, with no system prompt, a
+    separator followed it with nothing to separate)."""
+    from ikcode.gateway.tool_formats import callable_tools
+
+    template = load_template("mistral.jinja")
+    markers = ("[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]")
+    renderer, tokenizer = renderer_for(template, "<s>", "</s>", markers)
+    hi = [{"role": "user", "content": "hi"}]
+    specs = callable_tools(
+        MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": hi, "tools": [READ]}).tools
+    )
+    extra = {"bos_token": "<s>", "eos_token": "</s>"}
+    for system in (SYSTEM, None):
+        body = {"messages": hi, "tools": [READ], **({"system": system} if system else {})}
+        head = [{"role": "system", "content": system}] if system else []
+        assert prompt_text(renderer, tokenizer, body) == render_template(template, head + hi, specs, **extra)
+
+
+def test_a_conversation_not_opened_by_the_user_gets_the_system_prompt_as_a_turn_of_its_own():
+    """With a system or assistant message first, nothing closed the user turn the system prompt
+    opened: the next turn was written inside it."""
+    renderer, tokenizer = renderer_for(
+        load_template("gemma3.jinja"), "<bos>", "<eos>", ("<start_of_turn>", "<end_of_turn>")
+    )
+    body = {
+        "system": SYSTEM,
+        "messages": [{"role": "assistant", "content": REPLY}, {"role": "user", "content": SECOND}],
+    }
+    assert prompt_text(renderer, tokenizer, body) == (
+        f"<bos><start_of_turn>user\n{SYSTEM}<end_of_turn>\n<start_of_turn>model\n{REPLY}<end_of_turn>\n"
+        f"<start_of_turn>user\n{SECOND}<end_of_turn>\n<start_of_turn>model\n"
+    )
+    body = {
+        "system": SYSTEM,
+        "messages": [{"role": "system", "content": "S2"}, {"role": "user", "content": SECOND}],
+    }
+    assert prompt_text(renderer, tokenizer, body) == (
+        f"<bos><start_of_turn>user\n{SYSTEM}<end_of_turn>\n<start_of_turn>user\nS2<end_of_turn>\n"
+        f"<start_of_turn>user\n{SECOND}<end_of_turn>\n<start_of_turn>model\n"
+    )

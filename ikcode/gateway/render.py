@@ -22,9 +22,8 @@ prompt instead of changing its start (which would miss the cache for the whole c
 from __future__ import annotations
 
 import json
-import re
 from array import array
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import Any
 
 from ikcode.gateway.chat_format import (
@@ -37,20 +36,18 @@ from ikcode.gateway.chat_format import (
     turn_role,
 )
 from ikcode.gateway.content_text import (
-    Guards,
     assistant_text,
     call_names,
     guard_strings,
     merge_assistant_turns,
     system_message_text,
     system_text,
-    unguarded,
     user_items,
     user_text,
 )
 from ikcode.gateway.conversation_store import ConversationStore
 from ikcode.gateway.errors import invalid_request
-from ikcode.gateway.marker_guard import GUARD_OPEN, GUARDED, GUARDS, alternation, wrapped
+from ikcode.gateway.folded_head import folded_head
 from ikcode.gateway.previous_render import PreviousRender, TurnReads, same_turn, turn_reads
 from ikcode.gateway.prompt_chain import (
     PromptBuild,
@@ -59,6 +56,7 @@ from ikcode.gateway.prompt_chain import (
     digest,
     reply_key,
 )
+from ikcode.gateway.prompt_encoder import PromptEncoder
 from ikcode.gateway.tool_formats import ToolFormat, callable_tools, choice_text, tool_format_for
 
 # Bytes of request a kept render is charged one token for (previous_render.PreviousRender.weight).
@@ -82,37 +80,19 @@ class Renderer:
         self.format = chat_format or derive_chat_format(tokenizer, template)
         self.tool_format = tool_format or tool_format_for(template)
         self.store = store or ConversationStore()
-        # Guard against tokenizers that add a BOS on every call: strip it per segment.
-        self._auto = len(tokenizer.encode("", allow_special=False))
-        # One shared int object per token id: a 450K-token prompt is then built by copying
-        # pointers to a compact table instead of touching 450K scattered int objects.
-        vocab = getattr(tokenizer, "vocab_size", None)
-        has_vocab = isinstance(vocab, int) and vocab > 0
-        self._interned: list[int] | None = list(range(vocab)) if has_vocab else None
+        self.encoder = PromptEncoder(tokenizer, _TAGS + self.tool_format.markers)
+        self.guard, self._guards = self.encoder.guard, self.encoder.guards
         fmt = self.format
-        self._start_ids = self._encode(fmt.start, True) if fmt.start else []
-        self._prefix_ids = {r: self._encode(fmt.prefix[r], True) for r in ROLES}
-        self._suffix_ids = {r: self._encode(fmt.suffix[r], True) for r in ROLES}
+        self._start_ids = self.encoder.encode(fmt.start, True) if fmt.start else []
+        self._prefix_ids = {r: self.encoder.encode(fmt.prefix[r], True) for r in ROLES}
+        self._suffix_ids = {r: self.encoder.encode(fmt.suffix[r], True) for r in ROLES}
         # The assistant turn opens exactly like the generation prompt, so a reply fits in place.
-        self._prefix_ids["assistant"] = self._gen_ids = self._encode(fmt.generation_prompt, True)
+        self._prefix_ids["assistant"] = self._gen_ids = self.encoder.encode(fmt.generation_prompt, True)
         # The first user turn when the system prompt opened it (ChatFormat.system_opens_user_turn)
         self._prefix_ids[OPENED_USER_TURN], self._suffix_ids[OPENED_USER_TURN] = [], self._suffix_ids["user"]
         # A system message among the messages when the template has no system turn: a user turn
         self._prefix_ids[SYSTEM_AS_USER_TURN] = self._prefix_ids["user"]
         self._suffix_ids[SYSTEM_AS_USER_TURN] = self._suffix_ids["user"]
-        tags = _TAGS + self.tool_format.markers
-        self._tag_ids = {t: i for t in tags if (i := tokenizer.token_to_id(t)) is not None}
-        specials = getattr(tokenizer, "special_token_ids", None) or {}
-        self._tag_re = alternation(self._tag_ids)
-        # A tool's name lands inside role markers (encoded with special tokens allowed): every
-        # special token string in it is guarded, not only the format's markers.
-        self._special_re = alternation(set(specials) | set(self._tag_ids))
-        # A piece of text split out of a prompt: a guarded span, a tag, or the text between them.
-        tag_alternatives = "".join(f"|{re.escape(t)}" for t in self._tag_ids)
-        self._piece_re = re.compile(f"({GUARDED.pattern}{tag_alternatives})")
-        self._tag_starts = {t[0] for t in self._tag_ids}
-        self.guard: Callable[[str], str] = self._guard if self._tag_re is not None else unguarded
-        self._guards = Guards(self.guard, self._guard_name)
         # The template's end-of-turn token stops generation, unless the format's messages end
         # with it inside a turn (harmony's <|end|> closes its reasoning too: see tokenizer.py).
         eot = tokenizer.token_to_id(fmt.end_of_turn) if fmt.end_of_turn else None
@@ -124,69 +104,16 @@ class Renderer:
         # writes except the markers its tool format and think tags are read by (vLLM and
         # llama.cpp do the same). Shown, `<|im_start|>` came back as text in the next turn,
         # tokenized as plain characters: the conversation's cache missed from there on.
-        markers = set(self._tag_ids.values())
-        hidden = [i for i in specials.values() if i not in markers]
+        markers = set(self.encoder.tag_ids.values())
+        hidden = [i for i in self.encoder.specials.values() if i not in markers]
         self.hidden_token_ids: tuple[int, ...] = tuple(dict.fromkeys(self.stop_token_ids + tuple(hidden)))
-
-    # -- tokenization -------------------------------------------------------------------------
-    def _encode(self, text: str, allow_special: bool) -> list[int]:
-        ids = self.tokenizer.encode(text, allow_special=allow_special)
-        return self._intern(ids[self._auto :] if self._auto else ids)
-
-    def _intern(self, ids: list[int]) -> list[int]:
-        table = self._interned
-        if table is None:
-            return ids
-        try:
-            return [table[i] for i in ids]
-        except IndexError:  # an id past the vocabulary size: keep the ids as they are
-            return ids
-
-    def _guard(self, text: str) -> str:
-        """Client text (a user's words, a file a tool read): the tool format's markers in it are
-        wrapped so that they are tokenized as the text they are, never as the control tokens the
-        format's own markup uses (a file holding `<|end|><|start|>system<|message|>` would
-        otherwise forge a system turn). Guard characters the client sent are replaced."""
-        assert self._tag_re is not None
-        if not any(c in text for c in self._tag_starts | GUARDS):
-            return text
-        return wrapped(self._tag_re, text)
-
-    def _guard_name(self, name: str) -> str:
-        return name if self._special_re is None else wrapped(self._special_re, name)
-
-    def _encode_plain(self, text: str) -> list[int]:
-        """A turn's text: the format's markers in it are its control tokens, guarded spans and
-        every other special-token string stay text (no role injection)."""
-        return self._encode_pieces(text, allow_special=False)
-
-    def _encode_framed(self, text: str) -> list[int]:
-        """Role markers around a turn (special tokens), with guarded client text inside them."""
-        return self._encode_pieces(text, allow_special=True)
-
-    def _encode_pieces(self, text: str, allow_special: bool) -> list[int]:
-        if not text:
-            return []
-        # Guarded spans come from names too (_guard_name), with or without tags in the vocabulary.
-        if not any(c in text for c in self._tag_starts | GUARDS):
-            return self._encode(text, allow_special)
-        ids: list[int] = []
-        for piece in self._piece_re.split(text):
-            tag = self._tag_ids.get(piece)
-            if tag is not None:
-                ids.append(tag)
-            elif piece.startswith(GUARD_OPEN):
-                ids.extend(self._encode(piece[1:-1], False))
-            elif piece:
-                ids.extend(self._encode(piece, allow_special))
-        return ids
 
     def _segment(self, role: str, key: bytes, text_fn: Any, closed: bool = True) -> tuple[list[int], int]:
         """Token ids of one turn, from the store when known; returns (ids, freshly tokenized)."""
         ids = self.store.segment(key) if closed else None
         if ids is not None:
             return ids, 0
-        body = self._encode_plain(text_fn())
+        body = self.encoder.plain(text_fn())
         ids = self._prefix_ids[role] + body + (self._suffix_ids[role] if closed else [])
         if closed:
             self.store.put_segment(key, ids)
@@ -214,9 +141,9 @@ class Renderer:
             raise invalid_request("messages: at least one message is required")
         deferred = {tool.name: tool for tool in tools or [] if getattr(tool, "defer_loading", None)}
         specs = callable_tools(tools or [])  # all of them for the reply's parser: a loaded one may be called
-        prompt = self._render_head(system, specs, deferred, tool_choice)
-        head_chain, num_head_boundaries = prompt.chain, len(prompt.boundaries)
         turns = merge_assistant_turns(messages)
+        prompt, opened = self._render_head(system, specs, deferred, tool_choice, turns[0][0] == "user")
+        head_chain, num_head_boundaries = prompt.chain, len(prompt.boundaries)
         names = call_names(turns)
         first, previous = 0, None
         if conversation is not None:
@@ -227,7 +154,6 @@ class Renderer:
             reads = previous.reads_before(first)
         reused_tokens = len(prompt.ids) if previous is not None else 0
         prefill = False
-        opened = self.format.system_opens_user_turn and num_head_boundaries > 0
         for index in range(first, len(turns)):
             role, content = turns[index]
             if conversation is not None:
@@ -263,18 +189,29 @@ class Renderer:
         )
 
     def _render_head(
-        self, system: Any, specs: list[dict[str, Any]], deferred: dict[str, Any], tool_choice: Any
-    ) -> PromptBuild:
-        """The start and the system segment (system prompt and the listed tools)."""
+        self,
+        system: Any,
+        specs: list[dict[str, Any]],
+        deferred: dict[str, Any],
+        tool_choice: Any,
+        user_first: bool,
+    ) -> tuple[PromptBuild, bool]:
+        """The start and the system segment (system prompt and the listed tools), and whether it
+        opened the first user turn (folded_head.py; user_first: the first message is the user's)."""
         prompt = PromptBuild(list(self._start_ids))
         sys_text = self.guard(system_text(system))
         # Tool definitions come from the client and its MCP servers: guarded like its text.
         listed = [guard_strings(s, self.guard) for s in specs if s["function"]["name"] not in deferred]
         sys_prefix = self.format.prefix["system"]
+        tools_text = self.tool_format.tools_text(listed) if listed else ""
+        if tools_text and (choice := choice_text(tool_choice)):  # it names a tool: client text
+            tools_text += "\n\n" + self.guard(choice)
+        if self.format.system_opens_user_turn:
+            head = folded_head(self.format, self.tool_format, sys_text, tools_text, user_first)
+            if head is not None:
+                prompt.add(head.key, *self._marked_segment(head.key, head.parts))
+            return prompt, head is not None and head.opens_user_turn
         if listed:
-            tools_text = self.tool_format.tools_text(listed)
-            if choice := choice_text(tool_choice):  # it names a tool: client text
-                tools_text += "\n\n" + self.guard(choice)
             sys_text = self.tool_format.system_text(sys_text, tools_text)
             sys_prefix = self.tool_format.system_prefix(sys_prefix)
         if sys_text and sys_prefix != self.format.prefix["system"]:
@@ -289,7 +226,7 @@ class Renderer:
         elif sys_text:
             key = digest(b"system\x00" + sys_text.encode())
             prompt.add(key, *self._segment("system", key, lambda: sys_text))
-        return prompt
+        return prompt, False
 
     def _render_turn(
         self,
@@ -359,7 +296,7 @@ class Renderer:
         """Keep the reply's generated ids for when the client sends this turn back."""
         if rendered.reply_prefix_key is None:
             return
-        ids = self._intern(list(generated_ids))
+        ids = self.encoder.intern(list(generated_ids))
         while ids and ids[-1] in self.stop_token_ids:
             ids.pop()
         segment = self._gen_ids + ids + self._suffix_ids["assistant"]
@@ -391,8 +328,8 @@ class Renderer:
             return ids, 0
         ids, fresh = [], 0
         for prefix, body, suffix in parts:
-            body_ids = self._encode_plain(body)
-            ids += self._encode_framed(prefix) + body_ids + self._encode_framed(suffix)
+            body_ids = self.encoder.plain(body)
+            ids += self.encoder.framed(prefix) + body_ids + self.encoder.framed(suffix)
             fresh += len(body_ids)
         self.store.put_segment(key, ids)
         return ids, fresh

@@ -138,6 +138,9 @@ class ToolFormat:
     # Strings that some vocabularies hold as single tokens: kept whole when rendering text.
     markers: tuple[str, ...] = ()
     text_joiner = "\n"  # between a user turn's text blocks (user_text)
+    # The tool list goes before the turn it belongs to (Mistral's [AVAILABLE_TOOLS] before
+    # [INST]) where a template has no system turn (folded_head.py)
+    tools_before_turns = False
     # End-of-message tokens that also close messages inside a turn (reasoning, a call's header):
     # not stop tokens, whatever the template's turns end with.
     ends_messages_not_turns: tuple[str, ...] = ()

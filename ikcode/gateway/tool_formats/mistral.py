@@ -145,6 +145,7 @@ def mistral_parser() -> TaggedCallParser:
 class MistralFormat(ToolFormat):
     name = "mistral"
     markers = (TOOL_CALLS, "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]")
+    tools_before_turns = True
 
     def tools_text(self, tools: list[dict[str, Any]]) -> str:
         entries = []

@@ -141,22 +141,21 @@ def test_a_stop_sequence_that_spans_pushes_is_found(tokenizer):
     assert builder.stop_sequence == "STOP" and builder.content == [{"type": "text", "text": "abc "}]
 
 
-def test_a_stop_sequence_in_text_the_tool_parser_holds_stops_the_reply_at_once(tokenizer):
-    """Text after a call marker that never became a call waits in the parser; a stop sequence
-    in it must still end the reply when it arrives (generation stops), not at the end."""
-    builder = ReplyBuilder(tokenizer, (), ["##"])
-    ids = tokenizer.encode("See <tool_call> is the tag. ## rest rest rest")
-    pushed = 0
-    while not builder.done and pushed < len(ids):
-        builder.push(ids[pushed : pushed + 1])
-        pushed += 1
-    assert builder.done and pushed < len(ids) - 3
-    builder.finish()
-    assert builder.content == [{"type": "text", "text": "See <tool_call> is the tag. "}]
-    marker = ReplyBuilder(tokenizer, (), ["<tool_call>"])  # a stop sequence that is a call marker
-    marker.push(tokenizer.encode("Done. " + CALL))
-    marker.finish()
-    assert marker.stop_sequence == "<tool_call>" and marker.content == [{"type": "text", "text": "Done. "}]
+def test_stop_sequences_apply_to_the_replys_text_not_to_call_markup(tokenizer):
+    """Matched on the raw output, a stop sequence in a call's markup (a newline after
+    <tool_call>) dropped the call and showed its markup as text. Text the parser holds as a
+    possible call and then gives back is matched when given back (at the latest at the end)."""
+    newline = ReplyBuilder(tokenizer, (), ["\n"])
+    newline.push(tokenizer.encode("Reading. " + CALL + " then\nmore"))
+    newline.finish()
+    assert [b["type"] for b in newline.content] == ["text", "tool_use", "text"]
+    assert newline.content[1]["input"] == {"path": "a.py"} and newline.content[2]["text"] == " then"
+    held = ReplyBuilder(tokenizer, (), ["##"])
+    for token in tokenizer.encode("See <tool_call> is the tag. ## rest"):
+        held.push([token])
+    held.finish()
+    assert held.stop_sequence == "##" and held.done
+    assert held.content == [{"type": "text", "text": "See <tool_call> is the tag. "}]
 
 
 def test_reply_builder_stop_sequence_and_multibyte(tokenizer):

@@ -130,3 +130,24 @@ def test_a_conversation_not_opened_by_the_user_gets_the_system_prompt_as_a_turn_
         f"<bos><start_of_turn>user\n{SYSTEM}<end_of_turn>\n<start_of_turn>user\nS2<end_of_turn>\n"
         f"<start_of_turn>user\n{SECOND}<end_of_turn>\n<start_of_turn>model\n"
     )
+
+
+def test_mistral_tool_choice_instruction_stays_inside_the_turn():
+    """With the tool list moved before [INST], the tool_choice instruction went with it, outside
+    any turn."""
+    template = load_template("mistral.jinja")
+    markers = ("[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]")
+    renderer, tokenizer = renderer_for(template, "<s>", "</s>", markers)
+    choice = {"type": "tool", "name": "Read"}
+    hi = [{"role": "user", "content": "hi"}]
+    for system in (SYSTEM, None):
+        body = {
+            "messages": hi,
+            "tools": [READ],
+            "tool_choice": choice,
+            **({"system": system} if system else {}),
+        }
+        text = prompt_text(renderer, tokenizer, body)
+        turn = text[text.index("[/AVAILABLE_TOOLS]") :]
+        assert turn.startswith("[/AVAILABLE_TOOLS][INST] ") and turn.endswith("hi[/INST]")
+        assert "You must call the function Read." in turn

@@ -310,3 +310,28 @@ def test_mistral_more_calls_or_text_after_the_first_ones_are_each_what_they_are(
         "",
         [("Read", {"path": "/a"}), ("Bash", {"command": "ls"})],
     )
+
+
+def test_a_stop_sequence_in_hidden_reasoning_does_not_end_the_reply():
+    """gpt-oss writes its reasoning in the analysis channel, which the client never sees: matched
+    on the raw output, a stop sequence there ended the reply before its answer (no content)."""
+    from ikcode.gateway.reply_builder import ReplyBuilder
+
+    case = next(c for c in CASES if c.name == "harmony")
+    tokenizer = tokenizer_for(case)
+    reply = (
+        "<|channel|>analysis<|message|>User wants ## headings.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Here ## you go"
+    )
+    builder = ReplyBuilder(tokenizer, (), ["##"], parser=FORMATS["harmony"]().new_parser([]))
+    for token in tokenizer.encode(reply):
+        builder.push([token])
+    builder.finish()
+    assert builder.content == [{"type": "text", "text": "Here "}] and builder.stop_sequence == "##"
+
+
+def test_mistral_with_no_call_made_reads_the_same_however_the_text_is_split():
+    """Text after an empty calls array was dropped feed by feed: a [TOOL_CALLS] arriving in a
+    later feed restarted parsing (a call), in the same feed it did not (all text)."""
+    reply = '[TOOL_CALLS] [] Let me read it.[TOOL_CALLS]Read{"path": "/a"}'
+    assert parse_every_split("mistral", reply) == (reply, [])

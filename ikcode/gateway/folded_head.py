@@ -26,14 +26,15 @@ class FoldedHead:
 
 
 def folded_head(
-    fmt: ChatFormat, tool_format: ToolFormat, system: str, tools_text: str, opens_turn: bool
+    fmt: ChatFormat, tool_format: ToolFormat, system: str, tools_text: str, choice: str, opens_turn: bool
 ) -> FoldedHead | None:
-    """The head's parts: system and tools_text are the (guarded) system prompt and tool list;
-    opens_turn: the first message is a user message."""
-    if tools_text and tool_format.tools_before_turns:
-        lead, text = tools_text, system
+    """The head's parts: system, tools_text and choice are the (guarded) system prompt, tool
+    list and tool_choice instruction; opens_turn: the first message is a user message."""
+    if tools_text and tool_format.tools_before_turns:  # the instruction stays inside the turn
+        lead, text = tools_text, "\n\n".join(t for t in (system, choice) if t)
     else:
-        lead, text = "", tool_format.system_text(system, tools_text) if tools_text else system
+        listed = tools_text + ("\n\n" + choice if choice else "")
+        lead, text = "", tool_format.system_text(system, listed) if tools_text else system
     if not (lead or text):
         return None
     parts = [("", lead, "")] if lead else []

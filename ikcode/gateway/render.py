@@ -204,15 +204,16 @@ class Renderer:
         listed = [guard_strings(s, self.guard) for s in specs if s["function"]["name"] not in deferred]
         sys_prefix = self.format.prefix["system"]
         tools_text = self.tool_format.tools_text(listed) if listed else ""
-        if tools_text and (choice := choice_text(tool_choice)):  # it names a tool: client text
-            tools_text += "\n\n" + self.guard(choice)
+        choice = self.guard(choice_text(tool_choice)) if listed else ""  # it names a tool: client text
         if self.format.system_opens_user_turn:
-            head = folded_head(self.format, self.tool_format, sys_text, tools_text, user_first)
+            head = folded_head(self.format, self.tool_format, sys_text, tools_text, choice, user_first)
             if head is not None:
                 prompt.add(head.key, *self._marked_segment(head.key, head.parts))
             return prompt, head is not None and head.opens_user_turn
         if listed:
-            sys_text = self.tool_format.system_text(sys_text, tools_text)
+            sys_text = self.tool_format.system_text(
+                sys_text, tools_text + ("\n\n" + choice if choice else "")
+            )
             sys_prefix = self.tool_format.system_prefix(sys_prefix)
         if sys_text and sys_prefix != self.format.prefix["system"]:
             # Its own tag and the prefix's length: "system\0" + prefix + "\0" + text was also the

@@ -1,9 +1,9 @@
 """Generated token ids -> Anthropic content blocks and stream events.
 
-One pipeline for streaming and non-streaming answers: ids -> incremental detokenizer -> stop
-sequences (not inside a call the parser has named) -> the tool format's parser -> blocks. A tool
-call's block opens as soon as the parser knows the call, and its arguments stream as
-input_json_delta pieces while it is generated.
+One pipeline for streaming and non-streaming answers: ids -> incremental detokenizer -> the
+tool format's parser -> stop sequence matcher (over the reply's text, not a call's arguments: a
+stop sequence inside them cut the call short) -> blocks. A tool call's block opens as soon as the
+parser knows the call, and its arguments stream as input_json_delta pieces while it is generated.
 Each `push` returns the stream events it produced (content_block_start / content_block_delta /
 content_block_stop as dicts); `content` holds the finished blocks for a non-streaming answer and
 for the reply store.
@@ -27,18 +27,33 @@ from ikcode.gateway.tool_formats import (
 JSON_CHUNK_CHARS = 256  # input_json_delta pieces, so large tool inputs still stream in steps
 
 
-class StopSequences:
-    """The request's stop sequences, and how much text to hold back to see one span deltas."""
+class StopSequenceMatcher:
+    """Holds back just enough text to see a stop sequence that spans deltas."""
 
     def __init__(self, stop_sequences: list[str]):
         self.stops = [s for s in stop_sequences if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._buf = ""
         self.matched: str | None = None
 
-    def find(self, text: str) -> tuple[int, str] | None:
-        """(where, which) of the stop sequence that begins first in text, if any."""
-        found = [(at, s) for s in self.stops if (at := text.find(s)) >= 0]
-        return min(found) if found else None
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        self._buf += text
+        found = [(self._buf.find(s), s) for s in self.stops]
+        found = [(at, s) for at, s in found if at >= 0]
+        if found:
+            at, stop = min(found)
+            self.matched = stop
+            out, self._buf = self._buf[:at], ""
+            return out
+        cut = max(0, len(self._buf) - self._hold)
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return out
+
+    def flush(self) -> str:
+        out, self._buf = self._buf, ""
+        return out
 
 
 class ReplyBuilder:
@@ -51,8 +66,7 @@ class ReplyBuilder:
         one_call: bool = False,
     ):
         self._detok = IncrementalDetokenizer(tokenizer, skip_ids=hidden_ids)
-        self._stops = StopSequences(stop_sequences)
-        self._held = ""  # text not yet given to the parser: it may begin a stop sequence
+        self._stops = StopSequenceMatcher(stop_sequences)
         self._parser = parser or HermesFormat().new_parser([])
         self._open_tool: int | None = None  # index of the tool_use block being written
         self.generated_ids: list[int] = []
@@ -76,7 +90,7 @@ class ReplyBuilder:
             return []
         self.generated_ids.extend(token_ids)
         text = self._detok.push(token_ids)
-        return self._parse(text) if text else []
+        return self._emit(self._parser.feed(text)) if text else []
 
     def finish(self) -> list[dict[str, Any]]:
         """The end of the reply: flush held text, parse an unclosed call, close the last block.
@@ -84,34 +98,13 @@ class ReplyBuilder:
         cuts the reply there too: done, and its ids hold text the client never got."""
         events: list[dict[str, Any]] = []
         if not self.done:
-            events += self._parse(self._detok.flush(), final=True)
-        if not self.one_call_done:  # after the one call asked for, what the parser holds is not sent
-            events += self._emit(self._parser.finish())  # all of it came before any stop sequence
+            tail = self._detok.flush()
+            events += self._emit(self._parser.feed(tail)) if tail else []
+        if not self.done:  # after a stop or the one call asked for, what the parser holds is not sent
+            events += self._emit(self._parser.finish())
+        if not self.done:
+            events += self._text_events(self._stops.flush())
         events += self._close_text()
-        return events
-
-    def _parse(self, text: str, final: bool = False) -> list[dict[str, Any]]:
-        """Text on to the tool parser, up to a stop sequence. One inside a call's arguments (the
-        parser has named the call) is the call's text: matched on the raw output, a command that
-        echoed it was cut there and the call sent truncated."""
-        events: list[dict[str, Any]] = []
-        self._held += text
-        while not self.done:
-            found = self._stops.find(self._held)
-            if found is None:
-                cut = len(self._held) if final else max(0, len(self._held) - self._stops.hold)
-                ready, self._held = self._held[:cut], self._held[cut:]
-                return events + (self._emit(self._parser.feed(ready)) if ready else [])
-            at, stop = found
-            events += self._emit(self._parser.feed(self._held[:at])) if at else []
-            if self.done:  # the one call asked for ended before it
-                break
-            if self._parser.named:
-                events += self._emit(self._parser.feed(stop))
-                self._held = self._held[at + len(stop) :]
-            else:
-                self._stops.matched, self.done = stop, True
-        self._held = ""
         return events
 
     # -- blocks -------------------------------------------------------------------------------
@@ -119,6 +112,8 @@ class ReplyBuilder:
         events: list[dict[str, Any]] = []
         for item in items:
             if isinstance(item, ToolCallStart):
+                # text held for a stop sequence spanning deltas: none can span a call
+                events += self._text_events(self._stops.flush())
                 events += self._close_text() + self._tool_start(item)
             elif isinstance(item, ToolArgsDelta):
                 events += self._tool_delta(item.partial_json)
@@ -128,7 +123,10 @@ class ReplyBuilder:
                     self.done = self.one_call_done = True
                     break  # what follows the call would be more calls: not asked for
             else:
-                events += self._text_events(item.text)
+                events += self._text_events(self._stops.feed(item.text))
+                if self._stops.matched is not None:
+                    self.done = True
+                    break  # what follows the stop sequence is not sent
         return events
 
     def _text_events(self, text: str) -> list[dict[str, Any]]:

@@ -62,7 +62,7 @@ class _Rank:
         # Submitted, no token yet: the rank's queue (routing), with the blocks each computes there.
         self.prefilling: dict[str, int] = {}
         self.reader: threading.Thread | None = None
-        self.heard_at = time.monotonic()  # its last message (watchdog.py)
+        self.heard_at: float | None = None  # its last message, from its first beat on (watchdog.py)
 
     def send(self, message: tuple) -> None:
         with self.send_lock:
@@ -314,8 +314,8 @@ class DeepInferEngine:
                 message = r.conn.recv()
             except (EOFError, OSError):
                 break
-            r.heard_at = time.monotonic()
             kind = message[0]
+            r.heard_at = time.monotonic() if kind == "alive" or r.heard_at is not None else None
             if kind == "event":
                 self._on_event(message[1])
             elif kind == "life":

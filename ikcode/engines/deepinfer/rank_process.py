@@ -109,7 +109,7 @@ class RankLoop:
         self.steps = 0
         self.placeholder_steps = 0  # steps taken with nothing of this rank's own to run
         self._last_load: Any = None
-        self._last_beat, self._beat_s = time.monotonic(), beat_interval_s(spec.config.hung_rank_s)
+        self._last_beat, self._beat_s = float("-inf"), beat_interval_s(spec.config.hung_rank_s)
         state_manager = self.worker.engine.state_manager
         self.initial_free_states = state_manager.get_num_free_blocks() if state_manager is not None else 0
 
@@ -160,6 +160,7 @@ class RankLoop:
         group = PG.cpu_data_parallel_group()  # gloo (parallel_state.py: cpu_dp_group)
         idle = False
         while True:
+            self._beat()  # before the step: the first one arms the gateway's watchdog
             self._take_messages(self.config.idle_wait_s if idle else 0.0)
             busy = self.worker.prepare()
             flags = torch.tensor([int(not self.stop_requested), int(busy)], dtype=torch.int64)
@@ -174,7 +175,6 @@ class RankLoop:
             self.steps += 1
             idle = not unfinished and not flags[1].item()
             self._push_load()
-            self._beat()
 
     def _beat(self) -> None:
         """Say this rank is alive (the gateway's watchdog takes a silent rank for hung)."""

@@ -2,8 +2,9 @@
 hangs, a kernel that never ends) leaves the rank's process alive and its pipe open, so nothing
 else notices. Its streams would wait forever and every RPC to it time out one by one.
 
-Each rank loop says it is alive between steps (`beat_interval_s`); a rank silent for
-`silent_s` is taken as dead: the engine's rank-death path fails its requests, stops every rank
+Each rank loop says it is alive between steps (`beat_interval_s`), and is watched from its
+first beat on (after its start, its host tier's pinning, its first step); a rank silent for
+`silent_s` is then taken as dead: the engine's rank-death path fails its requests, stops every rank
 and refuses new work with the reason, as for a rank that exited.
 """
 
@@ -24,7 +25,7 @@ class RankWatchdog:
     def __init__(
         self,
         silent_s: float,
-        ranks: Sequence[Any],  # each with .rank and .heard_at (time.monotonic() of its last message)
+        ranks: Sequence[Any],  # each with .rank and .heard_at (monotonic time of its last message or None)
         on_hung: Callable[[Any, str], None],
         stopped: Callable[[], bool],
     ):
@@ -38,7 +39,7 @@ class RankWatchdog:
         while not self.stopped():
             time.sleep(beat_interval_s(self.silent_s))
             now = time.monotonic()
-            silent = [r for r in self.ranks if now - r.heard_at > self.silent_s]
+            silent = [r for r in self.ranks if r.heard_at is not None and now - r.heard_at > self.silent_s]
             if silent and not self.stopped():
                 names = ", ".join(str(r.rank) for r in silent)
                 self.on_hung(

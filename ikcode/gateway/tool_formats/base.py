@@ -79,12 +79,6 @@ ParseEvent = TextPiece | ToolCallStart | ToolArgsDelta | ToolCallEnd
 class StreamParser(Protocol):
     def feed(self, text: str) -> list[ParseEvent]: ...
 
-    @property
-    def named(self) -> bool:
-        """Inside a call whose name is known: what follows is the call's (a stop sequence in it
-        does not end the reply)."""
-        ...
-
     def finish(self) -> list[ParseEvent]:
         """The end of the reply: flush held text, close or drop an unfinished call."""
         ...
@@ -93,8 +87,6 @@ class StreamParser(Protocol):
 class TextOnlyParser:
     """The parser of a reply that may call no tool (none listed, or tool_choice "none"): what the
     model writes stays text, call markers included."""
-
-    named = False
 
     def feed(self, text: str) -> list[ParseEvent]:
         return [TextPiece(text)] if text else []

@@ -49,10 +49,6 @@ class DeepSeekCallBody:
         self._buf = ""
         self._scanner: ObjectScanner | None = None
 
-    @property
-    def named(self) -> bool:
-        return self.call.name is not None
-
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         events: list[ParseEvent] = []
@@ -91,10 +87,6 @@ class DeepSeekCallsBody:
     def __init__(self) -> None:
         self._calls = TaggedCallParser(CALL_BEGIN, CALL_END, DeepSeekCallBody)
         self._num_events = 0
-
-    @property
-    def named(self) -> bool:
-        return self._calls.named
 
     def feed(self, text: str) -> list[ParseEvent]:
         return self._keep_calls(self._calls.feed(text))

@@ -82,10 +82,6 @@ class HarmonyParser:
         self._scanner: ObjectScanner | None = None
         self._visible = False  # the current message's content is shown as text
 
-    @property
-    def named(self) -> bool:
-        return self._call is not None
-
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         out: list[ParseEvent] = []

@@ -36,10 +36,6 @@ class JsonCallBody:
     def in_string(self) -> bool:
         return self._parser.scanner.in_string
 
-    @property
-    def named(self) -> bool:
-        return self._parser.named
-
     def feed(self, text: str) -> list[ParseEvent]:
         return self._parser.feed(text)[0]
 

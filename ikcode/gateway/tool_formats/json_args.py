@@ -211,10 +211,6 @@ class JsonCallParser:
         return self.scanner.state in ("done", "failed")
 
     @property
-    def named(self) -> bool:
-        return self.call.name is not None
-
-    @property
     def has_arguments(self) -> bool:
         """An arguments member ("arguments", "parameters") has begun."""
         return self._arguments_seen

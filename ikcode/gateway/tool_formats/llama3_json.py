@@ -48,10 +48,6 @@ class Llama3JsonParser:
         self._tagged = False  # after <|python_tag|>: a call whatever its members
         self._held: list[ParseEvent] = []  # an untagged call's events until its arguments begin
 
-    @property
-    def named(self) -> bool:
-        return self._call is not None and self._call.named
-
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         out: list[ParseEvent] = []

@@ -48,11 +48,6 @@ class MistralCallsBody:
         self._num_calls = 0
         self._text_after = False  # text after the calls has begun (later whitespace is its own)
 
-    @property
-    def named(self) -> bool:
-        array_call = self._call is not None and self._call.named
-        return array_call or (self._named is not None and self._named.name is not None)
-
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         out: list[ParseEvent] = []
@@ -89,7 +84,8 @@ class MistralCallsBody:
                 # call before it, close() says so and the whole body is shown as text once),
                 # unless it is more calls.
                 text = self._buf if self._text_after else self._buf.lstrip()
-                if not self._text_after and (text.startswith(TOOL_CALLS) or TOOL_CALLS.startswith(text)):
+                more_calls = text.startswith(TOOL_CALLS) or TOOL_CALLS.startswith(text)
+                if self._num_calls and not self._text_after and more_calls:
                     if not text.startswith(TOOL_CALLS):
                         return out  # perhaps the marker, in pieces
                     self._mode = "start"

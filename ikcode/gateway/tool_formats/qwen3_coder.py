@@ -162,10 +162,6 @@ class XmlCallBody:
             self.call = CallAssembler()
 
     @property
-    def named(self) -> bool:
-        return self.call.name is not None
-
-    @property
     def in_string(self) -> bool:
         """Inside a parameter's value (opened, not ended): a </tool_call> here is the value's
         text (a Write of code about tool calls), not the end of the call. The template closes

@@ -37,10 +37,6 @@ class TaggedCallParser:
         self._body: CallBody | None = None
         self._raw = ""  # the current call's text, shown as text if it turns out to be no call
 
-    @property
-    def named(self) -> bool:
-        return self._body is not None and bool(getattr(self._body, "named", False))
-
     def feed(self, text: str) -> list[ParseEvent]:
         self._buf += text
         out: list[ParseEvent] = []

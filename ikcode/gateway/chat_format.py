@@ -170,14 +170,10 @@ def probe_template_or_raise(chat_template: str, specials: dict[str, str]) -> Cha
         # No end between the system prompt and the user's words, and the system prompt opens as
         # a user turn does (Gemma): it is written inside the first user turn.
         return _probe_system_in_user_turn(render, bos, specials)
-    return ChatFormat(
-        prefix={"system": sys_prefix, "user": user_prefix, "assistant": asst_prefix},
-        suffix={"system": sys_suffix, "user": user_suffix, "assistant": asst_suffix},
-        generation_prompt=generation_prompt or _opening(asst_prefix),
-        start=start,
-        end_of_turn=eot,
-        name="probed",
-    )
+    return _probed(
+        (sys_prefix, sys_suffix), (user_prefix, user_suffix), (asst_prefix, asst_suffix),
+        generation_prompt, start, eot,
+    )  # fmt: skip
 
 
 def _probe_system_in_user_turn(render: Any, bos: str, specials: dict[str, str]) -> ChatFormat:
@@ -197,22 +193,34 @@ def _probe_system_in_user_turn(render: Any, bos: str, specials: dict[str, str]) 
     _, _, (sys_head, separator, _) = render(["system", "user"])
     if head[len(start) :] != user_prefix or sys_head != head:
         raise TemplateProbeError("the system prompt is written neither as a turn nor at a user turn's start")
+    return _probed(
+        (user_prefix, separator), (user_prefix, user_suffix), (asst_prefix, asst_suffix),
+        generation_prompt, start, eot, system_opens_user_turn=True,
+    )  # fmt: skip
+
+
+def _probed(
+    system: tuple[str, str],
+    user: tuple[str, str],
+    assistant: tuple[str, str],
+    generation_prompt: str,
+    start: str,
+    eot: str,
+    system_opens_user_turn: bool = False,
+) -> ChatFormat:
+    """A probed format from each role's (prefix, suffix). A template that writes no generation
+    prompt gets the assistant turn's opening, unless that is only the space the template writes
+    before a reply (Mistral's " "), which the model writes itself as part of its first token."""
+    opening = assistant[0] if assistant[0].strip() else ""
     return ChatFormat(
-        prefix={"system": user_prefix, "user": user_prefix, "assistant": asst_prefix},
-        suffix={"system": separator, "user": user_suffix, "assistant": asst_suffix},
-        generation_prompt=generation_prompt or _opening(asst_prefix),
+        prefix={"system": system[0], "user": user[0], "assistant": assistant[0]},
+        suffix={"system": system[1], "user": user[1], "assistant": assistant[1]},
+        generation_prompt=generation_prompt or opening,
         start=start,
         end_of_turn=eot,
         name="probed",
-        system_opens_user_turn=True,
+        system_opens_user_turn=system_opens_user_turn,
     )
-
-
-def _opening(asst_prefix: str) -> str:
-    """The generation prompt of a template that writes none: the assistant turn's opening, unless
-    that is only the space the template writes before a reply (Mistral's " "), which the model
-    writes itself as part of its first token."""
-    return asst_prefix if asst_prefix.strip() else ""
 
 
 def _split_at(gap: str, eot: str, closing: str = "") -> tuple[str, str]:

@@ -156,11 +156,7 @@ def probe_template_or_raise(chat_template: str, specials: dict[str, str]) -> Cha
         return _probe_system_in_user_turn(render, bos, specials)
     # A turn ends at its end-of-turn token; whitespace after it still belongs to the turn. Some
     # templates end only the assistant's turns (DeepSeek: <｜User｜>...<｜Assistant｜>...<eos>).
-    eot = _end_of_turn(between[1], specials.get("eos_token")) or _end_of_turn(
-        between[2], specials.get("eos_token")
-    )
-    if eot is None:
-        raise TemplateProbeError("no end-of-turn token between the turns")
+    eot = _end_of_turn(between[1:], specials.get("eos_token"))
     sys_suffix, user_prefix = _split_at(between[0], eot)
     user_suffix, asst_prefix = _split_at(between[1], eot, tail)
     asst_suffix, next_user_prefix = _split_at(between[2], eot)
@@ -182,11 +178,7 @@ def _probe_system_in_user_turn(render: Any, bos: str, specials: dict[str, str]) 
     first user turn, where a prefix cache keeps it (Mistral's template writes it into the last
     one, which moves every turn)."""
     _, generation_prompt, (head, *between, tail) = render(["user", "assistant", "user"])
-    eot = _end_of_turn(between[0], specials.get("eos_token")) or _end_of_turn(
-        between[1], specials.get("eos_token")
-    )
-    if eot is None:
-        raise TemplateProbeError("no end-of-turn token between the turns")
+    eot = _end_of_turn(between, specials.get("eos_token"))
     user_suffix, asst_prefix = _split_at(between[0], eot, tail)
     asst_suffix, user_prefix = _split_at(between[1], eot)
     start = bos if bos and head.startswith(bos) else ""
@@ -235,11 +227,14 @@ def _split_at(gap: str, eot: str, closing: str = "") -> tuple[str, str]:
     return gap[:cut], gap[cut:]
 
 
-def _end_of_turn(gap: str, eos: str | None) -> str | None:
-    for candidate in (eos, "<|eot_id|>", "<|im_end|>", "<|end|>", "</s>", "<end_of_turn>"):
-        if candidate and candidate in gap:
-            return candidate
-    return None
+def _end_of_turn(gaps: list[str], eos: str | None) -> str:
+    """The end-of-turn token: the first known one in the first gap between turns that has one
+    (the user's turn's end, or else the assistant's)."""
+    for gap in gaps:
+        for candidate in (eos, "<|eot_id|>", "<|im_end|>", "<|end|>", "</s>", "<end_of_turn>"):
+            if candidate and candidate in gap:
+                return candidate
+    raise TemplateProbeError("no end-of-turn token between the turns")
 
 
 def _raise_exception(message: str) -> None:

@@ -269,6 +269,24 @@ def test_a_reply_cut_inside_a_character_ends_before_it(engine, tokenizer, tmp_pa
     assert "\\ufffd" not in streamed and "\ufffd" not in streamed
 
 
+def test_a_replacement_character_the_model_wrote_last_is_kept(engine, tokenizer, tmp_path):
+    """U+FFFD is a character like any other: a reply that ends in one (the model wrote its three
+    bytes) keeps it, streamed or not. Telling it from a cut character by its text alone dropped it."""
+    script = tokenizer.encode("ok \ufffd")
+    srv = serve(ScriptedEngine(engine, script), tokenizer, tmp_path)
+    try:
+        body = {"model": "tiny", "max_tokens": 20, "messages": HELLO}
+        whole = post(srv, body).json()
+        streamed = post(srv, {**body, "stream": True}).text
+    finally:
+        srv.stop()
+    wait_idle(engine)
+    assert whole["content"][0]["text"] == "ok \ufffd"
+    deltas = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ")]
+    text = "".join(d["delta"].get("text", "") for d in deltas if d["type"] == "content_block_delta")
+    assert text == "ok \ufffd"
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_an_engine_stopping_mid_reply_is_an_error_not_a_finished_answer(tokenizer, tmp_path, stream):
     """The engine ends a request it did not finish with ABORT (shutting down, or its thread gone):

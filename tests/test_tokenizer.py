@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import random
 
 import pytest
@@ -100,11 +101,53 @@ def test_a_reply_cut_inside_a_character_ends_before_it(tok: Tokenizer) -> None:
 
 
 def test_random_ids_never_emit_split_characters(tok: Tokenizer) -> None:
+    """Random bytes: every invalid sequence comes out as U+FFFD as the whole decode has it, and
+    only an incomplete last character is left out."""
     rng = random.Random(3)
-    ids = [rng.randrange(3, tok.vocab_size) for _ in range(400)]
+    for _ in range(20):
+        ids = [rng.randrange(3, tok.vocab_size) for _ in range(400)]
+        detok = IncrementalDetokenizer(tok)
+        out = "".join(detok.push([i]) for i in ids) + detok.flush()
+        whole_characters = codecs.getincrementaldecoder("utf-8")("replace").decode(tok.token_bytes(ids))
+        assert out == whole_characters
+
+
+def test_token_bytes_are_what_decode_reads(tok: Tokenizer) -> None:
+    """token_bytes follows the ByteLevel decoder: lossy UTF-8 of the bytes is decode's text, for
+    any ids, added tokens among them."""
+    rng = random.Random(5)
+    for _ in range(200):
+        ids = [rng.randrange(0, tok.vocab_size) for _ in range(rng.randint(1, 12))]
+        assert tok.token_bytes(ids).decode("utf-8", "replace") == tok.decode(ids)
+
+
+def test_a_replacement_character_the_model_wrote_is_neither_held_nor_dropped(tok: Tokenizer) -> None:
+    ids = tok.encode("a\ufffd")
     detok = IncrementalDetokenizer(tok)
-    out = "".join(detok.push([i]) for i in ids) + detok.flush()
-    assert out == tok.decode(ids).rstrip("\ufffd")
+    assert detok.push(ids) == "a\ufffd"  # not held back as if a character were still coming
+    assert detok.flush() == ""
+    assert len(ids) == 4  # "a" and U+FFFD's three bytes
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:1]) == "a"
+    assert detok.push(ids[1:3]) == ""  # two of its bytes: a character under way
+    assert detok.push(ids[3:]) == "\ufffd"
+    detok = IncrementalDetokenizer(tok)
+    assert detok.push(ids[:1]) == "a"
+    assert detok.push(ids[1:3]) == ""
+    assert detok.flush() == ""  # cut there: left out
+
+
+class _TextOnly:
+    """A tokenizer that gives no bytes (not byte-level): text ending in U+FFFD is taken as cut."""
+
+    def __init__(self, tok: Tokenizer):
+        self.decode, self.encode, self.token_to_id = tok.decode, tok.encode, tok.token_to_id
+
+
+def test_without_bytes_a_trailing_replacement_character_is_taken_for_a_cut_one(tok: Tokenizer) -> None:
+    detok = IncrementalDetokenizer(_TextOnly(tok))
+    assert detok.push(tok.encode("a\ufffd")) == ""
+    assert detok.flush() == "a"
 
 
 @pytest.mark.parametrize("marker", ["<|im_end|>", "<|im_start|>"])

@@ -2,11 +2,18 @@
 
 Decoding each token on its own breaks byte-level BPE (a character may span tokens, and a
 leading space depends on the previous token), so each step decodes a short window that starts a
-few tokens back and emits only what the window added once it no longer ends in a replacement
-character (the same scheme as Hugging Face TGI's and vLLM's incremental detokenizers).
+few tokens back and emits only what the window added once it no longer ends in a character cut
+in the middle (the same scheme as Hugging Face TGI's and vLLM's incremental detokenizers).
+
+A cut character decodes as U+FFFD, and so does a U+FFFD the model really wrote. Where the
+tokenizer gives the window's bytes (`token_bytes`: byte-level vocabularies) the two are told
+apart, so a real one is neither held back nor dropped at the end; elsewhere a text ending in
+U+FFFD is taken for a cut one.
 """
 
 from __future__ import annotations
+
+import codecs
 
 from ikcode.gateway.chat_format import TokenizerLike
 
@@ -25,7 +32,7 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
         new_text = self.tokenizer.decode(self.ids[self._prefix_offset :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(prefix_text) and self._ends_in_a_cut(new_text) is False:
             self._prefix_offset = self._read_offset
             self._read_offset = len(self.ids)
             return new_text[len(prefix_text) :]
@@ -38,5 +45,22 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self.tokenizer.decode(self.ids[self._prefix_offset : self._read_offset])
         new_text = self.tokenizer.decode(self.ids[self._prefix_offset :])
+        cut = self._ends_in_a_cut(new_text)
         self._prefix_offset = self._read_offset = len(self.ids)
-        return new_text[len(prefix_text) :].rstrip("\ufffd")
+        text = new_text[len(prefix_text) :]
+        if cut is None:
+            return text.rstrip("\ufffd")
+        return text[:-1] if cut and text.endswith("\ufffd") else text
+
+    def _ends_in_a_cut(self, window_text: str) -> bool | None:
+        """Whether the held window's text ends in the U+FFFD of a character cut in the middle;
+        None when it ends in U+FFFD and the tokenizer cannot say (then taken for a cut one)."""
+        if not window_text.endswith("\ufffd"):
+            return False
+        token_bytes = getattr(self.tokenizer, "token_bytes", None)
+        raw = token_bytes(self.ids[self._prefix_offset :]) if token_bytes is not None else None
+        if raw is None:
+            return None
+        # An incremental decoder holds back an incomplete last character instead of replacing it.
+        held = codecs.getincrementaldecoder("utf-8")("replace").decode(raw, final=False)
+        return len(held) < len(raw.decode("utf-8", "replace"))

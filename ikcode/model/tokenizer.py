@@ -76,6 +76,11 @@ def byte_level_alphabet() -> dict[int, str]:
     return {byte: chr(c) for byte, c in enumerate(chars)}
 
 
+@lru_cache(maxsize=1)
+def _byte_of_character() -> dict[str, int]:
+    return {c: b for b, c in byte_level_alphabet().items()}
+
+
 def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in _SPLITS:
         return pre_tokenizers.Sequence(
@@ -257,6 +262,24 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, ids: Sequence[int]) -> bytes | None:
+        """The bytes `decode` turns into text, for a byte-level vocabulary; None for any other.
+        Text alone cannot tell a character cut in the middle (its first bytes decode as U+FFFD)
+        from a U+FFFD the model wrote; the bytes can. The ByteLevel decoder maps each token's
+        characters back through GPT-2's alphabet, or takes the token's UTF-8 as it is when a
+        character is not in it (an added token such as "<|im_end|>" maps to itself either way),
+        then decodes the bytes lossily (huggingface/tokenizers,
+        tokenizers/src/pre_tokenizers/byte_level.rs, `impl Decoder for ByteLevel`)."""
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):
+            return None
+        byte_of = _byte_of_character()
+        out = bytearray()
+        for token_id in ids:
+            token = self.backend.id_to_token(token_id) or ""
+            spelled = [byte_of.get(c) for c in token]
+            out += bytes(spelled) if None not in spelled else token.encode()  # type: ignore[arg-type]
+        return bytes(out)
 
     @property
     def special_token_ids(self) -> dict[str, int]:

@@ -218,3 +218,26 @@ def test_a_stop_sequence_inside_a_calls_arguments_does_not_cut_the_call(tokenize
         }
         assert builder.stop_sequence == "##" and builder.done
         assert [b.get("text") for b in builder.content] == ["Committing. ", None, " Done "]
+
+
+def test_text_after_a_stray_opening_marker_streams_at_once():
+    """A <tool_call> followed by anything but a JSON object is no call: its text went out only
+    at the reply's end (a silent stream until then); now as soon as that is known, and the text
+    after it is read as text again (a real call after it still counts)."""
+    parser = HermesFormat().new_parser([])
+    assert parser.feed("<tool_call>\n ") == []  # still may be a call
+    assert texts(parser.feed("I will")) == "<tool_call>\n I will"
+    assert texts(parser.feed(" read it.")) == " read it."
+    items = parser.feed(CALL) + parser.finish()
+    assert [(c.name, c.input) for c in calls(items)] == [("Read", {"path": "a.py"})]
+
+
+def test_a_stop_sequence_after_a_stray_opening_marker_ends_generation_at_once(tokenizer):
+    """The stop sequence was found only when the parser gave the held text back at finish():
+    the engine kept generating up to max_tokens for a reply already over."""
+    builder = ReplyBuilder(tokenizer, (), ["STOP"])
+    builder.push(tokenizer.encode("Hi <tool_call> no json STOP"))
+    assert builder.done and builder.stop_sequence == "STOP"  # before finish()
+    builder.push(tokenizer.encode(" more"))
+    builder.finish()
+    assert builder.content == [{"type": "text", "text": "Hi <tool_call> no json "}]

@@ -36,6 +36,11 @@ class JsonCallBody:
     def in_string(self) -> bool:
         return self._parser.scanner.in_string
 
+    @property
+    def no_call(self) -> bool:
+        """Its text began with something other than a JSON object: it can never be a call."""
+        return self._parser.scanner.state == "failed" and not self._parser.call.started
+
     def feed(self, text: str) -> list[ParseEvent]:
         return self._parser.feed(text)[0]
 

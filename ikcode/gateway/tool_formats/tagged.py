@@ -3,7 +3,8 @@
 Text outside the markers passes through at once, except a tail that could be the start of an
 opening marker. Inside, the call's text goes to a body parser as it arrives (less a tail that
 could start the closing marker), which emits the call's events; a body that never became a call
-comes back out as the raw text, so a confused model produces a readable answer.
+comes back out as the raw text, so a confused model produces a readable answer: at once where the
+body can tell it is no call (`no_call`), else at its closing marker or the reply's end.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ class CallBody(Protocol):
     def close(self, closed: bool) -> list[ParseEvent] | None:
         """The call's last events (closed: its closing marker arrived), or None: it was no call."""
         ...
+
+    # Optional, `no_call`: True once the body's text can no longer become a call (read with
+    # getattr; a body without it is held until its closing marker or the reply's end).
 
 
 def partial_suffix(text: str, marker: str) -> int:
@@ -60,6 +64,13 @@ class TaggedCallParser:
                 chunk, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
                 self._raw += chunk
                 out += self._body.feed(chunk)
+                if getattr(self._body, "no_call", False):
+                    # A stray opening marker: its text streams now, not at the reply's end (a
+                    # stop sequence in it then ends generation at once), and what follows is
+                    # read as text again.
+                    out.append(TextPiece(self.open_marker + self._raw))
+                    self._body, self._raw = None, ""
+                    continue
                 return out
             chunk, self._buf = self._buf[:at], self._buf[at + len(self.close_marker) :]
             self._raw += chunk

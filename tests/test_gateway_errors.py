@@ -17,6 +17,7 @@ from ikcode.engines.base import EngineOverloaded, FinishReason, LifecycleKind, R
 from ikcode.gateway import GatewaySettings, create_app
 from tests.test_gateway_api_support import (  # noqa: F401 (engine, server, ...: fixtures)
     HELLO,
+    READ_TOOL,
     TOKENS,
     assert_error,
     client,
@@ -251,6 +252,25 @@ def test_a_reply_cut_by_a_stop_sequence_is_rendered_next_turn_as_the_client_got_
     finally:
         fresh.stop()
     assert counted["input_tokens"] == expected["input_tokens"]
+
+
+def test_a_stop_sequence_after_a_stray_tool_call_marker_stops_generation(engine, tokenizer, tmp_path):
+    """Text after a <tool_call> that is no call was held by the tool parser until the end, so a
+    stop sequence in it stopped nothing: the engine generated up to max_tokens for a reply
+    already over. Now the gateway aborts the generation at the stop sequence."""
+    script = tokenizer.encode("Hi <tool_call> no json STOP" + " and more" * 100)[:250]
+    scripted = ScriptedEngine(engine, script, pace_s=0.002)
+    srv = serve(scripted, tokenizer, tmp_path)
+    try:
+        body = {"model": "tiny", "max_tokens": 256, "messages": HELLO, "stop_sequences": ["STOP"]}
+        reply = post(srv, {**body, "tools": [READ_TOOL]}).json()  # tools: the tool parser reads it
+    finally:
+        srv.stop()
+    wait_idle(engine)
+    # Without the stop the script runs to its end (shorter than max_tokens): no abort.
+    assert reply["stop_reason"] == "stop_sequence" and reply["stop_sequence"] == "STOP"
+    assert reply["content"] == [{"type": "text", "text": "Hi <tool_call> no json "}]
+    assert len(scripted._aborted) == 1  # the gateway stopped the engine's work
 
 
 def _whole_and_streamed_text(engine, tokenizer, tmp_path, script: list[int]) -> tuple[str, str]:

@@ -57,3 +57,55 @@ def test_quantized_copies_come_from_the_fp32_weights():
     with pytest.raises(RuntimeError, match="before matmul_weights_to"):
         engine.runner.model.quantize("int4")
     engine.shutdown()
+
+
+def _forward_logits(engine, prompt: list[int]) -> torch.Tensor:
+    from ikcode.engines.base import EngineRequest, SamplingParams
+
+    seen: list[torch.Tensor] = []
+    run = engine.runner.run
+
+    def keep(scheduled):
+        logits, which = run(scheduled)
+        seen.append(logits)
+        return logits, which
+
+    engine.runner.run = keep
+    engine.submit(EngineRequest("r", prompt, SamplingParams(max_tokens=1, temperature=0.0)))
+    while engine.scheduler.has_work():
+        engine.step()
+    return seen[-1]
+
+
+def test_fp32_weights_go_through_onednn_with_the_same_numbers_as_mkl(monkeypatch):
+    """On a CPU the fp32 matmul weights are packed for oneDNN (faster than MKL here:
+    bench/onednn_matmul.py). The logits agree with MKL's to fp32 rounding."""
+    prompt = list(range(5, 45))
+    onednn = tiny_engine(start=False)
+    assert all(
+        getattr(onednn.runner.model.layers[0], name).is_mkldnn for name in ("qkv_weight_t", "down_weight_t")
+    )
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    mkl = tiny_engine(start=False)
+    assert not mkl.runner.model.layers[0].qkv_weight_t.is_mkldnn
+    torch.testing.assert_close(
+        _forward_logits(onednn, prompt), _forward_logits(mkl, prompt), rtol=1e-4, atol=1e-4
+    )
+    for engine in (onednn, mkl):
+        engine.shutdown()
+
+
+def test_where_onednn_computes_wrong_the_weights_stay_with_mkl(monkeypatch, caplog):
+    """The first matmul is checked against torch.mm before any weight is repacked: a oneDNN that
+    cannot run it right leaves every weight as it was, and says so."""
+    from ikcode.model import llama
+
+    monkeypatch.setattr(
+        llama, "_onednn_packed", lambda w: llama.torch.ops.mkldnn._reorder_linear_weight(0 * w.t())
+    )
+    engine = tiny_engine(start=False)
+    layers = engine.runner.model.layers
+    assert not any(layer.qkv_weight_t.is_mkldnn for layer in layers)
+    assert "oneDNN could not pack the fp32 weights" in caplog.text
+    assert _forward_logits(engine, list(range(5, 20))).isfinite().all()
+    engine.shutdown()

@@ -32,7 +32,10 @@ markedly faster for one row (measured on this model: the 30 layers' matmuls ~25%
 token's numbers (multiple-of-4 rows, or one row alone) was checked to hold for this layout too,
 and for bf16 weights (`matmul_weights_to`, oneDNN's bf16 GEMM on an AVX512-BF16 CPU: each of
 SmolLM2's matmuls, 1-256 rows, 1 and 2 threads, gave every row the same bits whatever the row
-count). bf16 prompt matmuls run ~2x fp32's speed on such a CPU; elsewhere they are emulated.
+count). bf16 prompt matmuls run ~2x fp32's speed on such a CPU; elsewhere they are emulated. On a
+CPU the decoder layers' fp32 weights are then repacked for oneDNN's GEMM (`pack_for_onednn`: faster
+than MKL's from 4 rows up, and a row's bits never depend on the row count); the output layer stays
+[in, out] for MKL (a one-row matmul over 49,152 columns: as fast either way).
 
 Speed. Prompt rows are grouped by visible_keys (a multiple of QUERY_GROUP): rows early in a chunk
 skip the keys they cannot see (for a 512-token prompt from scratch, ~40% of the attention work),
@@ -56,6 +59,14 @@ from torch import nn
 from ikcode.model import quantized
 from ikcode.model.config import ModelConfig
 from ikcode.model.paged_attention import DecodeBatch, SeqAttention, attend_group
+
+# The decoder layers' matmul weights, each stored [in, out].
+_MATMUL_WEIGHTS = ("qkv_weight_t", "o_weight_t", "gate_up_weight_t", "down_weight_t")
+
+
+def _onednn_packed(weight_t: torch.Tensor) -> torch.Tensor:
+    """An [in, out] fp32 matrix in oneDNN's layout for `mkldnn._linear_pointwise`."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous())
 
 
 @dataclass(frozen=True)
@@ -93,7 +104,10 @@ class RMSNorm(nn.Module):
 
 def linear_t(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight_t (+ bias), weight_t stored [in, out]: see "Weight layout" above. bf16 weights
-    (LlamaModel.matmul_weights_to) take bf16 activations and give fp32 back."""
+    (LlamaModel.matmul_weights_to) take bf16 activations and give fp32 back; fp32 weights packed
+    for oneDNN (LlamaModel.pack_for_onednn) go through its GEMM."""
+    if weight_t.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight_t, bias, "none", [], "")
     if weight_t.dtype == torch.bfloat16:
         out = torch.mm(x.to(torch.bfloat16), weight_t).float()
         return out if bias is None else out.add_(bias)
@@ -250,8 +264,9 @@ class LlamaModel(nn.Module):
     def quantize(self, kind: quantized.Kind) -> int:
         """Add `kind` copies of every matmul weight (batch-invariant rows keep the float weights);
         returns the bytes they take. Taken from fp32 weights: before matmul_weights_to."""
-        if self.layers[0].qkv_weight_t.dtype != torch.float32:
-            raise RuntimeError("quantize from the fp32 weights, before matmul_weights_to")
+        first = self.layers[0].qkv_weight_t
+        if first.dtype != torch.float32 or first.is_mkldnn:
+            raise RuntimeError("quantize from the fp32 weights, before matmul_weights_to or pack_for_onednn")
         for layer in self.layers:
             layer.quantize(kind)
         # The output layer stays int8 under int4: GGUFs keep it at 8 bits or more (SmolLM2's is
@@ -262,11 +277,31 @@ class LlamaModel(nn.Module):
         packs = [self.lm_head_packed] + [p for layer in self.layers for p in layer.packed.values()]
         return sum(p.nbytes for p in packs)
 
+    def pack_for_onednn(self) -> None:
+        """Keep the decoder layers' fp32 matmul weights in oneDNN's own layout and multiply
+        through its GEMM (`mkldnn._linear_pointwise`, the op torch's CPU compiler emits for a
+        linear layer) instead of MKL's. `bench/onednn_matmul.py`, SmolLM2-135M's shapes, 30
+        layers, two threads of an AVX2 EPYC: 4 rows 43 vs 166 ms, 32 rows 106 vs 201, 256 rows
+        436 vs 557; one row about even (40 vs 35). A row's bits never depend on the rows beside it,
+        one row included (the same bench; tests/test_engine_determinism.py checks the outcome).
+        The packed weight replaces the plain one (no second copy); quantize first. Raises
+        RuntimeError, changing nothing, where oneDNN cannot run the first matmul right."""
+        first = self.layers[0].qkv_weight_t.detach()
+        x = torch.randn(4, first.shape[0], generator=torch.Generator().manual_seed(0))
+        got = torch.ops.mkldnn._linear_pointwise(x, _onednn_packed(first), None, "none", [], "")
+        if not torch.allclose(got, x @ first, rtol=1e-4, atol=1e-4):
+            raise RuntimeError("oneDNN's linear does not match torch.mm here")
+        for layer in self.layers:
+            for name in _MATMUL_WEIGHTS:
+                packed = _onednn_packed(getattr(layer, name).detach())
+                delattr(layer, name)  # a Parameter cannot hold an opaque oneDNN tensor
+                setattr(layer, name, packed)
+
     def matmul_weights_to(self, dtype: torch.dtype) -> None:
         """Keep the decoder layers' matmul weights (not norms, embeddings or the output layer) in
         `dtype`. Quantized copies are taken from the fp32 weights: quantize first."""
         for layer in self.layers:
-            for name in ("qkv_weight_t", "o_weight_t", "gate_up_weight_t", "down_weight_t"):
+            for name in _MATMUL_WEIGHTS:
                 weight = getattr(layer, name)
                 setattr(layer, name, nn.Parameter(weight.detach().to(dtype), requires_grad=False))
 

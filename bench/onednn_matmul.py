@@ -9,13 +9,24 @@ weights (the speed does not depend on the values). The engine packs its fp32 wei
 (LlamaModel.pack_for_onednn); the row counts are those it runs: 1-8 decode rows, prompt chunks.
 Also checked: a row's bits do not depend on how many rows share the call, for oneDNN as for MKL
 (the engine's batch invariance rests on it; tests/test_engine_determinism.py checks the outcome).
+
+With --engine, then the whole engine on the default model, two of them side by side in turns
+(`fp32_gemm="mkl"` and `"onednn"`, the local profile's weights otherwise: int4 decode rows, fp32
+float weights on a CPU without native bf16), stepped on this thread: a 512-token prompt's prefill
+(tokens/s), a temperature-0 request's decode (its tokens run as one-token prompts on the float
+weights; tokens/s) and 8 sampled 32-token requests of 64 tokens at once (all output tokens / wall
+time, prefill included). Best of --engine-repeats.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import torch
 
@@ -46,11 +57,62 @@ def rows_invariant(matmul, x: torch.Tensor) -> bool:
     )
 
 
+def engine_side_by_side(threads: int, repeats: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from ikcode.engines.base import EngineRequest, SamplingParams
+    from ikcode.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+    from ikcode.model.loader import load_model
+
+    model = load_model(None)
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(17, model.config.vocab_size) for _ in range(n)]  # past the specials
+
+    def engine(gemm: str) -> EmbeddedEngine:
+        config = EmbeddedEngineConfig(
+            kv_memory_bytes=model.config.kv_bytes_per_token * 4096, num_threads=threads, device="cpu",
+            weights="int4", float_weights="fp32", fp32_gemm=gemm,
+        )  # fmt: skip
+        return EmbeddedEngine(model.config, model.state_dict, config)
+
+    def run(e: EmbeddedEngine, prompts: list[list[int]], tokens: int, temperature: float) -> float:
+        for p in prompts:
+            sampling = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=temperature)
+            e.submit(EngineRequest(uuid.uuid4().hex, p, sampling, cache_salt=uuid.uuid4().hex))
+        started = time.perf_counter()
+        while e.scheduler.has_work():
+            e.step()
+        return time.perf_counter() - started
+
+    engines = {"mkl": engine("mkl"), "onednn": engine("onednn")}
+    measures = {
+        "prefill 512 tok/s": lambda e: 512 / run(e, [prompt(512)], 1, 0.0),
+        # 64 tokens less the 1-token run (prefill and first token): the 63 decode steps' time
+        "temperature-0 decode tok/s": lambda e: (
+            63 / (run(e, [prompt(8)], 64, 0.0) - run(e, [prompt(8)], 1, 0.0))
+        ),  # noqa: E501
+        "8 x 64 sampled tok/s": lambda e: 8 * 64 / run(e, [prompt(32) for _ in range(8)], 64, 0.2),
+    }
+    best = {(m, g): 0.0 for m in measures for g in engines}
+    for _ in range(repeats):
+        for name, measure in measures.items():
+            for gemm, e in engines.items():  # in turns: load slows both alike
+                best[name, gemm] = max(best[name, gemm], measure(e))
+    print(f"\nthe engine, default model, best of {repeats}; load average {os.getloadavg()[0]:.2f}")
+    print(f"{'':>28} | {'MKL':>8} | {'oneDNN':>8} | {'ratio':>6}")
+    for name in measures:
+        mkl, dnn = best[name, "mkl"], best[name, "onednn"]
+        print(f"{name:>28} | {mkl:>8.1f} | {dnn:>8.1f} | {dnn / mkl:>5.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default="1,4,32,128,256,512")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--engine", action="store_true", help="then the engine, MKL vs oneDNN")
+    parser.add_argument("--engine-repeats", type=int, default=3)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -72,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     mkl_same = rows_invariant(lambda r: torch.mm(r, weights[2]), x)
     dnn_same = rows_invariant(lambda r: onednn_linear(r, packed[2]), x)
     print(f"a row's bits whatever the rows beside it (1-256 rows): MKL {mkl_same}, oneDNN {dnn_same}")
+    if args.engine:
+        engine_side_by_side(args.threads, args.engine_repeats)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0
 

@@ -61,6 +61,8 @@ class ModelSection(_Section):
     # Weights of prompt rows and batch-invariant decode rows: "bf16" (native bf16 CPUs: ~2x the
     # prompt speed), "auto" (bf16 where the CPU has it), "fp32"; see EmbeddedEngineConfig.
     float_weights: Literal["fp32", "bf16", "auto"] = "fp32"
+    # Whose GEMM multiplies fp32 float weights on a CPU: "onednn" (faster) or "mkl" (torch.mm).
+    fp32_gemm: Literal["onednn", "mkl"] = "onednn"
     # Requests whose numbers never depend on the batch: "greedy" (temperature 0), "all", "off".
     batch_invariance: Literal["all", "greedy", "off"] = "greedy"
     # Used when a request names no temperature (Claude Code's main loop never does).

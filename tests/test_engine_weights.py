@@ -43,6 +43,8 @@ def test_auto_is_bf16_only_where_the_cpu_has_it():
 def test_an_unknown_kind_is_refused_when_built():
     with pytest.raises(ValueError, match="float_weights must be fp32, bf16 or auto"):
         EmbeddedEngineConfig(float_weights="fp16").validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fp32_gemm must be onednn or mkl"):
+        EmbeddedEngineConfig(fp32_gemm="blas").validate()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="weights must be fp32, int8 or int4"):
         EmbeddedEngineConfig(weights="int3").validate()  # type: ignore[arg-type]
 
@@ -77,7 +79,7 @@ def _forward_logits(engine, prompt: list[int]) -> torch.Tensor:
     return seen[-1]
 
 
-def test_fp32_weights_go_through_onednn_with_the_same_numbers_as_mkl(monkeypatch):
+def test_fp32_weights_go_through_onednn_with_the_same_numbers_as_mkl():
     """On a CPU the fp32 matmul weights are packed for oneDNN (faster than MKL here:
     bench/onednn_matmul.py). The logits agree with MKL's to fp32 rounding."""
     prompt = list(range(5, 45))
@@ -85,8 +87,7 @@ def test_fp32_weights_go_through_onednn_with_the_same_numbers_as_mkl(monkeypatch
     assert all(
         getattr(onednn.runner.model.layers[0], name).is_mkldnn for name in ("qkv_weight_t", "down_weight_t")
     )
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    mkl = tiny_engine(start=False)
+    mkl = tiny_engine(start=False, fp32_gemm="mkl")
     assert not mkl.runner.model.layers[0].qkv_weight_t.is_mkldnn
     torch.testing.assert_close(
         _forward_logits(onednn, prompt), _forward_logits(mkl, prompt), rtol=1e-4, atol=1e-4

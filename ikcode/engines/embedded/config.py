@@ -43,6 +43,10 @@ class EmbeddedEngineConfig:
     # the bytes and, on a CPU with AVX512-BF16 or AMX, runs prompt matmuls ~2x faster (llama.py);
     # "auto": bf16 on such a CPU, else fp32. A token's numbers still never depend on the batch.
     float_weights: Literal["fp32", "bf16", "auto"] = "fp32"
+    # Whose GEMM multiplies fp32 float weights on a CPU: oneDNN's (weights repacked for it; faster
+    # than MKL's from 4 rows up, bench/onednn_matmul.py) or MKL's (torch.mm). Either way a row's
+    # numbers never depend on the batch; oneDNN falls back to MKL where it cannot run right.
+    fp32_gemm: Literal["onednn", "mkl"] = "onednn"
     cache_policy: str = "lru"
     idle_wait_s: float = 0.05  # how long the idle engine thread sleeps between inbox checks
 
@@ -63,5 +67,7 @@ class EmbeddedEngineConfig:
             raise ValueError(f"batch_invariance must be all, greedy or off, got {self.batch_invariance!r}")
         if self.float_weights not in ("fp32", "bf16", "auto"):
             raise ValueError(f"float_weights must be fp32, bf16 or auto, got {self.float_weights!r}")
+        if self.fp32_gemm not in ("onednn", "mkl"):
+            raise ValueError(f"fp32_gemm must be onednn or mkl, got {self.fp32_gemm!r}")
         if self.weights not in ("fp32", "int8", "int4"):
             raise ValueError(f"weights must be fp32, int8 or int4, got {self.weights!r}")

@@ -75,6 +75,7 @@ def build_kv_pools(
         config.weights,
         config.float_weights,
         staging,
+        config.fp32_gemm,
     )
     # A tier's budget is a ceiling: check it against the tensors actually allocated.
     for tier, used, budget in (

@@ -48,6 +48,7 @@ class ModelRunner:
         weights: str = "fp32",
         float_weights: str = "fp32",
         staging_blocks: int = 0,
+        fp32_gemm: str = "onednn",
     ):
         self.cfg = cfg
         self.device = device
@@ -70,7 +71,7 @@ class ModelRunner:
         self.float_weights = float_weights  # prompts' and batch-invariant rows' weights
         if float_weights == "bf16":
             self.model.matmul_weights_to(torch.bfloat16)
-        elif device.type == "cpu" and torch.backends.mkldnn.is_available():
+        elif fp32_gemm == "onednn" and device.type == "cpu" and torch.backends.mkldnn.is_available():
             try:
                 self.model.pack_for_onednn()  # fp32 through oneDNN's GEMM: faster than MKL's here
             except RuntimeError:

@@ -273,6 +273,37 @@ def test_a_stop_sequence_after_a_stray_tool_call_marker_stops_generation(engine,
     assert len(scripted._aborted) == 1  # the gateway stopped the engine's work
 
 
+def _prompt_of(srv, tokens: int) -> list[dict]:
+    """A one-message conversation whose prompt is exactly `tokens` tokens (" the" is one token)."""
+    text = "x"
+    for _ in range(2):  # the count of the text's own tokens, then the exact length
+        messages = [{"role": "user", "content": text}]
+        counted = post(srv, {"model": "tiny", "messages": messages}, path="/v1/messages/count_tokens").json()
+        text += " the" * (tokens - counted["input_tokens"])
+    return [{"role": "user", "content": text}]
+
+
+def test_a_reply_cut_by_the_context_window_says_so(engine, tokenizer, tmp_path):
+    """The window, not max_tokens, ended the reply: the API's model_context_window_exceeded, as
+    Claude Code reads it ("the model has reached its context window limit"), not max_tokens
+    (which has it tell the user to raise CLAUDE_CODE_MAX_OUTPUT_TOKENS). Streamed or not."""
+    script = tokenizer.encode(" and more" * 100)
+    srv = serve(ScriptedEngine(engine, script), tokenizer, tmp_path)
+    try:
+        window = engine.info.context_window
+        near_the_end = _prompt_of(srv, window - 5)
+        body = {"model": "tiny", "max_tokens": 100, "messages": near_the_end}
+        whole = post(srv, body).json()
+        streamed = post(srv, {**body, "stream": True}).text
+    finally:
+        srv.stop()
+    wait_idle(engine)
+    assert whole["stop_reason"] == "model_context_window_exceeded", whole
+    assert whole["usage"]["input_tokens"] + whole["usage"]["cache_read_input_tokens"] == window - 5
+    assert whole["usage"]["output_tokens"] == 5
+    assert '"stop_reason":"model_context_window_exceeded"' in streamed.replace(" ", "")
+
+
 def _whole_and_streamed_text(engine, tokenizer, tmp_path, script: list[int]) -> tuple[str, str]:
     srv = serve(ScriptedEngine(engine, script), tokenizer, tmp_path)
     try:

@@ -150,6 +150,11 @@ class Generation:
                 # A compaction summary cut at the server's cap is final: "max_tokens" would make
                 # Claude Code ask it to go on, re-reading the conversation for each continuation.
                 return "end_turn"
+            if "window_max_tokens" in self.record:
+                # Cut by the context window before max_tokens: the API's own stop reason for it.
+                # Claude Code 2.1.332 then says the model reached its context window limit; for
+                # "max_tokens" it tells the user to raise CLAUDE_CODE_MAX_OUTPUT_TOKENS.
+                return "model_context_window_exceeded"
             return "max_tokens"
         return "tool_use" if self.builder.called_tool else "end_turn"
 

@@ -221,6 +221,8 @@ async def _prepare_and_submit(
         limit = min(room, cap if cap is not None else room)
         if sampling.max_tokens > limit:
             record["summary_max_tokens"] = limit
+    if sampling.max_tokens > room and not summary:
+        record["window_max_tokens"] = room  # the window, not max_tokens, bounds this reply
     sampling = replace(sampling, max_tokens=min(sampling.max_tokens, room))
     if "summary_max_tokens" in record:
         sampling = replace(sampling, max_tokens=record["summary_max_tokens"])

@@ -141,7 +141,7 @@ class CountTokensRequest(_Open):
 # ---------------------------------------------------------------------------------------------
 # Responses
 # ---------------------------------------------------------------------------------------------
-StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"]
 
 
 class Usage(BaseModel):

@@ -48,6 +48,41 @@ def test_token_bytes_are_what_the_real_vocabulary_decodes(model: LoadedModel) ->
         assert tok.token_bytes(ids).decode("utf-8", "replace") == tok.decode(ids), ids
 
 
+def test_a_long_encode_lets_other_threads_run(model: LoadedModel) -> None:
+    """A gateway thread tokenizing a long conversation must not stop the event loop and the other
+    requests for its whole length: tokenizers' `encode` held the GIL throughout."""
+    import threading
+
+    tokenizer = model.tokenizer
+    rng = random.Random(3)
+    words = ["def", "return", "self", "value", "import", "class", "for", "in", "if", "None"]
+    text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(60_000))
+    assert (
+        tokenizer.encode(text, allow_special=False)
+        == tokenizer.backend.encode(text, add_special_tokens=False).ids
+    )
+    gaps: list[float] = []
+    done = threading.Event()
+
+    def tick() -> None:  # pure Python: runs only while it holds the GIL
+        last = time.perf_counter()
+        while not done.is_set():
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    started = time.perf_counter()
+    tokenizer.encode(text, allow_special=False)
+    took = time.perf_counter() - started
+    done.set()
+    ticker.join()
+    assert took > 0.1, took  # long enough to tell the two apart
+    assert max(gaps) < took / 2, (max(gaps), took)
+
+
 def test_weights_are_fp32_and_finite(model: LoadedModel) -> None:
     assert len(model.state_dict) == 2 + 9 * 30
     for name, tensor in model.state_dict.items():

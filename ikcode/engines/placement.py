@@ -18,9 +18,18 @@ An engine without them is one rank whose load() is the whole engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Placement:
     rank: int
     kv_blocks: int  # blocks the allocation takes from the rank's free (or evictable) pool
+
+
+def engine_kv_tokens(engine: Any) -> int:
+    """Tokens the engine's KV memory can give sequences, all ranks together (0 for an engine
+    that does not say, such as an upstream endpoint)."""
+    rank_loads = getattr(engine, "rank_loads", None)
+    loads = rank_loads() if callable(rank_loads) else [engine.load()]
+    return sum(load.kv_blocks_total for load in loads) * max(1, engine.info.block_size)

@@ -21,8 +21,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ikcode.auth import OWNER
 from ikcode.engines.base import Engine
+from ikcode.engines.placement import engine_kv_tokens
 from ikcode.gateway import messages
 from ikcode.gateway.chat_format import TokenizerLike
+from ikcode.gateway.conversation_store import ConversationStore, memory_tokens_for
 from ikcode.gateway.edge import EdgeMiddleware, add_model_routes, authenticate, error_response, read_model
 from ikcode.gateway.errors import APIError, error_body, invalid_request
 from ikcode.gateway.metrics import PER_USER, GatewayMetrics
@@ -30,6 +32,7 @@ from ikcode.gateway.render import Renderer
 from ikcode.gateway.request_limits import body_limit_bytes, max_token_chars
 from ikcode.gateway.request_log import RequestLog
 from ikcode.gateway.schemas import CountTokensRequest, MessagesRequest
+from ikcode.gateway.session_prefix import SessionPrefixes
 from ikcode.gateway.settings import GatewaySettings
 from ikcode.gateway.state import Gateway
 from ikcode.gateway.tool_formats import tool_format_for
@@ -44,9 +47,14 @@ def create_app(
     renderer: Renderer | None = None,
 ) -> FastAPI:
     settings.validate()
+    memory_tokens = memory_tokens_for(settings.conversation_memory_tokens, engine_kv_tokens(engine))
     if renderer is None:
         template = getattr(tokenizer, "chat_template", None)
-        renderer = Renderer(tokenizer, tool_format=tool_format_for(template, settings.tool_format))
+        renderer = Renderer(
+            tokenizer,
+            store=ConversationStore.sized(memory_tokens),
+            tool_format=tool_format_for(template, settings.tool_format),
+        )
     context_window = settings.context_window or engine.info.context_window
     metrics = GatewayMetrics(
         engine, extra=lambda: {f"render_{k}": v for k, v in renderer.store.stats().items()}
@@ -54,6 +62,7 @@ def create_app(
     gw = Gateway(
         engine, tokenizer, renderer, settings, metrics, RequestLog(settings.request_log_path), context_window
     )
+    gw.sessions = SessionPrefixes(max_tokens=memory_tokens)
     gw.body_limit_bytes = body_limit_bytes(context_window, settings.max_body_bytes)
     gw.max_token_chars = max_token_chars(tokenizer)
 

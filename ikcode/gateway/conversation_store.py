@@ -18,6 +18,11 @@
   50 MB as 9,050 tokens, and a client sending a new session id per request could fill memory.
 
 All are bounded LRU maps (by tokens held); thread-safe because rendering runs on worker threads.
+The bound is the gateway's `conversation_memory_tokens`: by default at least the tokens the engine's
+KV memory holds, so that a conversation whose prefix is still cached is not tokenized whole again.
+A forgotten 450K-token conversation costs ~2 s of one core on its next turn, and tokenizers hold
+the GIL while they encode, so such turns queue behind each other: at 100 agents of 450K (45M
+tokens) a 4M-token bound re-tokenized every warm turn (bench/gateway_conversations.py).
 """
 
 from __future__ import annotations
@@ -29,6 +34,18 @@ from collections.abc import Hashable
 from ikcode.gateway.previous_render import PreviousRender
 
 Key = bytes | tuple[bytes, bytes]
+
+# The bound when the engine caches less (a laptop's embedded engine, an upstream endpoint): ~8
+# conversations of 450K tokens, ~130 MB of interned token lists for renders and segments together.
+DEFAULT_MEMORY_TOKENS = 4_000_000
+
+
+def memory_tokens_for(setting: int | None, engine_kv_tokens: int) -> int:
+    """The gateway's conversation memory in tokens: the setting, or at least what the engine's
+    KV memory holds (a larger engine cache is worth as many renders, ~16 bytes a token)."""
+    if setting is not None:
+        return setting
+    return max(DEFAULT_MEMORY_TOKENS, engine_kv_tokens)
 
 
 class _TokenLRU:
@@ -79,6 +96,16 @@ class ConversationStore:
         self.max_conversations = max_conversations
         self._renders: OrderedDict[Hashable, list[PreviousRender]] = OrderedDict()
         self._render_tokens = 0
+
+    @classmethod
+    def sized(cls, memory_tokens: int) -> ConversationStore:
+        """Renders bounded by memory_tokens, segment tokenizations by twice that (they also serve
+        conversations whose render was dropped), replies by half."""
+        return cls(
+            max_segment_tokens=2 * memory_tokens,
+            max_reply_tokens=max(1, memory_tokens // 2),
+            max_render_tokens=memory_tokens,
+        )
 
     def segment(self, key: bytes) -> list[int] | None:
         with self._lock:

@@ -43,6 +43,11 @@ class GatewaySettings:
     # "ikcode" cache policy; plain LRU ignores holds). None: no holds.
     session_hold_s: float | None = 60.0
     tool_format: str = ""  # a gateway/tool_formats name; "" = chosen from the model's chat template
+    # Tokens of conversations the gateway remembers between turns (previous renders, session
+    # prefixes; segment tokenizations get twice as many). A conversation it forgot is tokenized
+    # whole on its next turn (~2 s of one core for 450K tokens, holding the GIL). None: at least
+    # what the engine's KV memory holds (conversation_store.memory_tokens_for).
+    conversation_memory_tokens: int | None = None
 
     @property
     def salts_per_user(self) -> bool:
@@ -58,5 +63,7 @@ class GatewaySettings:
             raise ValueError("refusing to serve on a non-loopback address without auth tokens")
         if any(not token for token in self.auth_tokens.values()):
             raise ValueError("auth tokens must not be empty")
+        if self.conversation_memory_tokens is not None and self.conversation_memory_tokens <= 0:
+            raise ValueError("conversation_memory_tokens must be > 0")
         if self.ping_interval_s <= 0:
             raise ValueError("ping_interval_s must be > 0")

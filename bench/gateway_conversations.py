@@ -26,7 +26,7 @@ import statistics
 import threading
 import time
 
-from gateway_overhead import percentile, stand_in_engine
+from gateway_overhead import percentile, stand_in_engine, write_json
 
 from ikcode.admission import AdmissionConfig, AdmissionController
 from ikcode.gateway.app import create_app
@@ -126,9 +126,7 @@ def main() -> None:
     two = report["whole_encode_on_two_threads"]
     print(f"  whole re-tokenization: one {two['one_alone_s']} s alone, two at once on two threads "
           f"{two['two_at_once_s']} s ({two['ratio']}x)")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report, args.json)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def write_json(report: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=30)
@@ -234,9 +240,7 @@ def main() -> None:
     carried, rehashed = (report["engine_thread_prompt_hash_ms"][k] for k in ("carried", "rehashed"))
     print(f"engine thread, prompt hashes at admission: {carried} ms with the carried hashes "
           f"({rehashed} ms hashing them there)")  # fmt: skip
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(report, args.json)
 
 
 if __name__ == "__main__":

@@ -134,9 +134,9 @@ def test_the_default_memory_holds_at_least_what_the_engine_caches():
     from ikcode.engines.placement import engine_kv_tokens
     from ikcode.gateway.conversation_store import DEFAULT_MEMORY_TOKENS, memory_tokens_for
 
-    assert memory_tokens_for(None, 57_000_000) == 57_000_000  # 4x B200: ~57M tokens of KV
+    assert memory_tokens_for(None, 51_000_000) == 51_000_000  # 4x B200: ~51M tokens of KV
     assert memory_tokens_for(None, 4096) == DEFAULT_MEMORY_TOKENS
-    assert memory_tokens_for(123, 57_000_000) == 123
+    assert memory_tokens_for(123, 51_000_000) == 123
     engine = tiny_engine(kv_memory_bytes=2 * 1024 * 1024)
     try:
         load = engine.load()

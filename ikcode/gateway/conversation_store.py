@@ -20,9 +20,9 @@
 All are bounded LRU maps (by tokens held); thread-safe because rendering runs on worker threads.
 The bound is the gateway's `conversation_memory_tokens`: by default at least the tokens the engine's
 KV memory holds, so that a conversation whose prefix is still cached is not tokenized whole again.
-A forgotten 450K-token conversation costs ~2 s of one core on its next turn, and tokenizers hold
-the GIL while they encode, so such turns queue behind each other: at 100 agents of 450K (45M
-tokens) a 4M-token bound re-tokenized every warm turn (bench/gateway_conversations.py).
+A forgotten 450K-token conversation costs ~2 s of one core on its next turn: with a 4M-token bound,
+24 agents of 450K taking turns had every warm turn tokenized whole (bench/gateway_conversations.py;
+100 agents, 45.6M tokens remembered, peaked at 3.0 GB of process memory).
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ from ikcode.gateway.previous_render import PreviousRender
 Key = bytes | tuple[bytes, bytes]
 
 # The bound when the engine caches less (a laptop's embedded engine, an upstream endpoint): ~8
-# conversations of 450K tokens, ~130 MB of interned token lists for renders and segments together.
+# conversations of 450K tokens.
 DEFAULT_MEMORY_TOKENS = 4_000_000
 
 
 def memory_tokens_for(setting: int | None, engine_kv_tokens: int) -> int:
     """The gateway's conversation memory in tokens: the setting, or at least what the engine's
-    KV memory holds (a larger engine cache is worth as many renders, ~16 bytes a token)."""
+    KV memory holds (a conversation the engine still caches is worth its render)."""
     if setting is not None:
         return setting
     return max(DEFAULT_MEMORY_TOKENS, engine_kv_tokens)

@@ -45,7 +45,7 @@ class GatewaySettings:
     tool_format: str = ""  # a gateway/tool_formats name; "" = chosen from the model's chat template
     # Tokens of conversations the gateway remembers between turns (previous renders, session
     # prefixes; segment tokenizations get twice as many). A conversation it forgot is tokenized
-    # whole on its next turn (~2 s of one core for 450K tokens, holding the GIL). None: at least
+    # whole on its next turn (~2 s of one core for 450K tokens). None: at least
     # what the engine's KV memory holds (conversation_store.memory_tokens_for).
     conversation_memory_tokens: int | None = None
 

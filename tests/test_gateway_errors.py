@@ -283,6 +283,11 @@ def _prompt_of(srv, tokens: int) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def _whole_and_streamed(srv, body: dict) -> tuple[dict, str]:
+    """The same request answered whole (its JSON) and streamed (its SSE text)."""
+    return post(srv, body).json(), post(srv, {**body, "stream": True}).text
+
+
 def test_a_reply_cut_by_the_context_window_says_so(engine, tokenizer, tmp_path):
     """The window, not max_tokens, ended the reply: the API's model_context_window_exceeded, as
     Claude Code reads it ("the model has reached its context window limit"), not max_tokens
@@ -292,9 +297,9 @@ def test_a_reply_cut_by_the_context_window_says_so(engine, tokenizer, tmp_path):
     try:
         window = engine.info.context_window
         near_the_end = _prompt_of(srv, window - 5)
-        body = {"model": "tiny", "max_tokens": 100, "messages": near_the_end}
-        whole = post(srv, body).json()
-        streamed = post(srv, {**body, "stream": True}).text
+        whole, streamed = _whole_and_streamed(
+            srv, {"model": "tiny", "max_tokens": 100, "messages": near_the_end}
+        )
     finally:
         srv.stop()
     wait_idle(engine)
@@ -307,9 +312,7 @@ def test_a_reply_cut_by_the_context_window_says_so(engine, tokenizer, tmp_path):
 def _whole_and_streamed_text(engine, tokenizer, tmp_path, script: list[int]) -> tuple[str, str]:
     srv = serve(ScriptedEngine(engine, script), tokenizer, tmp_path)
     try:
-        body = {"model": "tiny", "max_tokens": 20, "messages": HELLO}
-        whole = post(srv, body).json()
-        streamed = post(srv, {**body, "stream": True}).text
+        whole, streamed = _whole_and_streamed(srv, {"model": "tiny", "max_tokens": 20, "messages": HELLO})
     finally:
         srv.stop()
     wait_idle(engine)
